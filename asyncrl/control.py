@@ -1,0 +1,97 @@
+"""Run-wide coordination over the run's Redis server: metadata, heartbeats, metrics, stop.
+
+Every process of a run talks to the same Redis (the buffer's). Keys live under the run prefix:
+
+``meta`` (hash)            weights address, final version, ...; written once, read by anyone
+``hb:<role>:<id>`` (hash)  heartbeat of one process: version it serves, pid, time; expires
+``claim:<name>``           SET NX once-only claims (e.g. which generator evaluates version v)
+``metrics`` (stream)       JSON metric records from every process; the launcher is its only reader
+``stop``                   set by the launcher; every child loop exits when it sees it
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+
+HEARTBEAT_TTL_S = 30  # long enough for a generator busy in one engine call on a loaded 2-core machine
+
+
+def connect(url: str) -> redis.Redis:
+    """A client with bounded socket timeouts and retries, so a dead server is an error, not a hang."""
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=30,
+        socket_connect_timeout=5,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        health_check_interval=10,
+    )
+
+
+class RunControl:
+    def __init__(self, client: redis.Redis, prefix: str):
+        self.r = client
+        self.prefix = prefix
+
+    def _k(self, name: str) -> str:
+        return f"{self.prefix}{name}"
+
+    # -- metadata ---------------------------------------------------------------------------------
+    def set_meta(self, field: str, value: str | int | float) -> None:
+        self.r.hset(self._k("meta"), field, value)
+
+    def get_meta(self, field: str) -> str | None:
+        value = self.r.hget(self._k("meta"), field)
+        return None if value is None else value.decode()
+
+    def wait_meta(self, field: str, timeout_s: float, poll_s: float = 0.2) -> str:
+        deadline = time.monotonic() + timeout_s
+        while (value := self.get_meta(field)) is None:
+            if time.monotonic() > deadline or self.stop_requested():
+                raise TimeoutError(f"run metadata {field!r} did not appear within {timeout_s:.0f}s")
+            time.sleep(poll_s)
+        return value
+
+    def claim_once(self, name: str) -> bool:
+        """True for exactly one caller across all processes."""
+        return bool(self.r.set(self._k(f"claim:{name}"), 1, nx=True))
+
+    # -- heartbeats -------------------------------------------------------------------------------
+    def heartbeat(self, role: str, ident: str, **fields: str | int | float) -> None:
+        key = self._k(f"hb:{role}:{ident}")
+        with self.r.pipeline(transaction=False) as p:
+            p.hset(key, mapping={"time": time.time(), **fields})
+            p.expire(key, HEARTBEAT_TTL_S)
+            p.execute()
+
+    def heartbeats(self, role: str) -> dict[str, dict[str, str]]:
+        out = {}
+        for key in self.r.scan_iter(match=self._k(f"hb:{role}:*")):
+            ident = key.decode().rsplit(":", 1)[1]
+            out[ident] = {k.decode(): v.decode() for k, v in self.r.hgetall(key).items()}
+        return out
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def emit(self, record: dict) -> None:
+        self.r.xadd(self._k("metrics"), {"json": json.dumps(record)})
+
+    def read_metrics(self, after: str = "0-0", count: int = 1000) -> tuple[str, list[dict]]:
+        entries = self.r.xrange(self._k("metrics"), min=f"({after}" if after != "0-0" else "-", count=count)
+        records = [json.loads(fields[b"json"]) for _, fields in entries]
+        last = entries[-1][0].decode() if entries else after
+        if entries:
+            self.r.xtrim(self._k("metrics"), minid=last)  # the launcher is the only reader
+        return last, records
+
+    # -- stop -------------------------------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        self.r.set(self._k("stop"), reason)
+
+    def stop_requested(self) -> bool:
+        return bool(self.r.exists(self._k("stop")))

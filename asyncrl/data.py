@@ -1,0 +1,65 @@
+"""Prompt datasets and reward functions named by import path."""
+
+from __future__ import annotations
+
+import importlib
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from asyncrl.errors import UserError
+
+RewardFn = Callable[[str, str, dict], float]  # (prompt, completion text, record) -> reward
+
+
+def load_jsonl(path: str | Path) -> list[dict]:
+    """Records with at least a ``prompt`` string; errors name the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"dataset file not found: {path}")
+    records = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+            raise UserError(f"{path}:{lineno}: each line must be an object with a string 'prompt'")
+        records.append(rec)
+    if not records:
+        raise UserError(f"dataset file is empty: {path}")
+    return records
+
+
+def import_by_path(spec: str) -> Callable:
+    """``'package.module:function'`` -> the function."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        raise UserError(f"{spec!r} is not of the form 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"cannot import {spec!r}: {exc}") from None
+    if not callable(fn):
+        raise UserError(f"{spec!r} is not callable")
+    return fn
+
+
+def prompt_for_sequence(seq: int, num_prompts: int, seed: int) -> tuple[int, int]:
+    """Group sequence number -> (epoch, prompt index).
+
+    The buffer hands out sequence numbers 0, 1, 2, ... exactly once across all generators; each
+    epoch is a fresh seeded permutation, so every prompt is claimed once per epoch.
+    """
+    epoch, pos = divmod(seq, num_prompts)
+    return epoch, int(_epoch_order(num_prompts, seed, epoch)[pos])
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(num_prompts: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(num_prompts)

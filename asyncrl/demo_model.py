@@ -1,0 +1,255 @@
+"""The demo policy: a byte-level tokenizer and a tiny Llama warmed up on the sort task.
+
+Invariants:
+- Tokenization is one token per byte and adds NO special tokens (no BOS): ``encode(text)`` gives
+  the same ids with or without ``add_special_tokens``, so HF, vLLM and the learner always agree.
+  Responses end with ``</s>``; ``decode(..., skip_special_tokens=True)`` inverts ``encode``.
+- ``prepare_demo_model`` is deterministic for a seed and publishes its directory atomically: a
+  directory at ``path`` that holds ``asyncrl_recipe.json`` is complete, and is reused as a cache.
+
+torch and transformers are imported inside functions so ``import asyncrl`` stays light.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncrl.tasks import sort
+
+RECIPE = "demo-sort"
+RECIPE_FILE = "asyncrl_recipe.json"
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+MAX_POSITIONS = 64  # longest prompt (12) + max_new_tokens (<= 16) + slack; vLLM reads this as max_model_len
+
+# SFT warm-up: sorting with a systematic bug, trained to convergence. With probability
+# SFT_SORTED_FRACTION the target is the sorted answer, otherwise the sorted answer WITHOUT its
+# smallest letter. Why: a policy stopped early in plain SFT samples near-noise at temperature 1
+# (sample reward 0.04 at greedy 0.29) and GRPO cannot climb; other "wrong modes" (echo, descending)
+# are harder for 2 layers to learn than sorting, and RL damages their rarely-trained sorted mode.
+# Dropping the smallest letter changes only the first answer token, so both modes share one
+# learned skill: greedy decoding takes the buggy mode (held-out reward ~0.2; the demo needs <= 0.4)
+# while ~30% of temperature-1 samples are exactly right, the signal GRPO amplifies.
+SFT_SORTED_FRACTION = 0.3
+SFT_STEPS = 200
+SFT_BATCH = 64
+SFT_LR = 1e-3
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what the ByteLevel pre-tokenizer emits)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars), strict=True))
+
+
+def build_tokenizer():
+    """Byte-level tokenizer: ids 0-255 are bytes, 256-258 are <pad>, <s>, </s>. No download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_map = _bytes_to_unicode()
+    vocab = {byte_map[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([PAD, BOS, EOS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, model_max_length=MAX_POSITIONS
+    )
+
+
+def build_model(tokenizer, seed: int = 0):
+    """A fresh tiny Llama (head_dim 32: vLLM's CPU attention refuses 16), float32, untied head."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).float()
+
+
+def sample_tokens(model, prompt_ids, max_new_tokens: int, eos_id: int, pad_id: int,
+                  temperature: float = 0.0, generator=None):
+    """Decode continuations of equal-length prompts ``(B, P)``; temperature 0 is greedy.
+
+    Returns ``(tokens, logprobs, mask)``, each ``(B, T)``: sampled ids (pad after the first EOS),
+    log pi(token) under the temperature-scaled distribution, and 1.0 on real tokens incl. EOS.
+    """
+    import torch
+
+    batch = prompt_ids.shape[0]
+    done = torch.zeros(batch, dtype=torch.bool)
+    tokens, logprobs, masks = [], [], []
+    past, step_ids = None, prompt_ids
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(input_ids=step_ids, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1].float()
+            if temperature > 0:
+                logp = torch.log_softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+            else:
+                logp = torch.log_softmax(logits, dim=-1)
+                nxt = logits.argmax(dim=-1)
+            live = ~done
+            tokens.append(torch.where(live, nxt, torch.full_like(nxt, pad_id)))
+            logprobs.append(torch.where(live, logp.gather(1, nxt[:, None]).squeeze(1), torch.zeros(batch)))
+            masks.append(live.float())
+            done = done | (nxt == eos_id)
+            if bool(done.all()):
+                break
+            step_ids = nxt[:, None]
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1)
+
+
+def decode_completions(tokenizer, tokens) -> list[str]:
+    """Response text with special tokens stripped (what reward functions receive)."""
+    return tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
+
+
+def _by_prompt_length(tokenizer, records: Sequence[dict]) -> dict[int, list[int]]:
+    """Record indices grouped by prompt length, so batches need no padding (no position-id care)."""
+    groups: dict[int, list[int]] = {}
+    for i, rec in enumerate(records):
+        groups.setdefault(len(tokenizer.encode(rec["prompt"])), []).append(i)
+    return groups
+
+
+def greedy_eval(model, tokenizer, records: Sequence[dict], max_new_tokens: int = 16) -> dict[str, float]:
+    """Greedy decoding on ``records``: ``{"reward_mean", "exact_rate"}`` under the sort task."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    rewards, exacts = [0.0] * len(records), [False] * len(records)
+    for idx in _by_prompt_length(tokenizer, records).values():
+        ids = torch.tensor([tokenizer.encode(records[i]["prompt"]) for i in idx])
+        tokens, _, _ = sample_tokens(model, ids, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        for i, text in zip(idx, decode_completions(tokenizer, tokens), strict=True):
+            rewards[i] = sort.reward(records[i]["prompt"], text, records[i])
+            exacts[i] = sort.exact(text, records[i])
+    model.train(was_training)
+    n = max(len(records), 1)
+    return {"reward_mean": sum(rewards) / n, "exact_rate": sum(exacts) / n}
+
+
+def _sft_batch(tokenizer, records: Sequence[dict]):
+    """Right-padded ``prompt + answer + </s>`` with labels only on answer and EOS (-100 elsewhere)."""
+    import torch
+
+    rows, labels = [], []
+    for rec in records:
+        p, a = tokenizer.encode(rec["prompt"]), tokenizer.encode(rec["answer"]) + [tokenizer.eos_token_id]
+        rows.append(p + a)
+        labels.append([-100] * len(p) + a)
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    lab = torch.full((len(rows), width), -100)
+    att = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, lb) in enumerate(zip(rows, labels, strict=True)):
+        ids[i, : len(r)], lab[i, : len(lb)], att[i, : len(r)] = torch.tensor(r), torch.tensor(lb), 1
+    return ids, att, lab
+
+
+def sft_warmup(model, tokenizer, train: Sequence[dict], seed: int, log: Callable[[str], Any] = print,
+               steps: int = SFT_STEPS, sorted_fraction: float = SFT_SORTED_FRACTION) -> float:
+    """Supervised warm-up on the sorted / smallest-letter-dropped mixture with cosine lr; returns the last loss."""
+    import torch
+
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    model.train()
+    for step in range(1, steps + 1):
+        batch = [
+            rec if rng.random() < sorted_fraction else {**rec, "answer": rec["answer"][1:]}
+            for rec in rng.sample(train, SFT_BATCH)
+        ]
+        ids, att, lab = _sft_batch(tokenizer, batch)
+        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == steps:
+            log(f"sft step {step}/{steps}: loss {loss.item():.3f}")
+    return loss.item()
+
+
+def is_prepared(path: str | Path) -> bool:
+    return (Path(path) / RECIPE_FILE).is_file()
+
+
+def prepare_demo_model(path: str | Path, seed: int = 0, log: Callable[[str], Any] = print) -> Path:
+    """Build, warm up and save the demo model at ``path``; return at once if it is already there.
+
+    Concurrent callers are safe: each builds in its own temp directory and the first rename wins.
+    """
+    import torch
+
+    path = Path(path)
+    if is_prepared(path):
+        log(f"demo model: using cached {path}")
+        return path
+    torch.manual_seed(seed)
+    started = time.monotonic()
+    train, held_out = sort.make_splits(sort.N_TRAIN, sort.N_EVAL, sort.DATA_SEED)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed)
+    log(f"demo model: SFT warm-up of a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-param Llama")
+    steps = SFT_STEPS
+    sft_warmup(model, tokenizer, train, seed, log, steps)
+    scores = greedy_eval(model.eval(), tokenizer, held_out)
+    log(f"demo model: {steps} SFT steps in {time.monotonic() - started:.1f}s, held-out greedy "
+        f"reward {scores['reward_mean']:.3f} exact {scores['exact_rate']:.3f}")
+    recipe = {"recipe": RECIPE, "seed": seed, "sft_steps": steps, "eval_reward": scores["reward_mean"],
+              "eval_exact": scores["exact_rate"], "eval_records": len(held_out)}
+    _publish(path, model, tokenizer, recipe)
+    return path
+
+
+def _publish(path: Path, model, tokenizer, recipe: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
+        if path.exists() and not is_prepared(path):
+            shutil.rmtree(path)  # a leftover without the recipe file is incomplete by definition
+        try:
+            tmp.rename(path)
+        except OSError:
+            if not is_prepared(path):  # lost the race to a concurrent builder: theirs is as good
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

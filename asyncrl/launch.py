@@ -1,0 +1,275 @@
+"""The local launcher: one redis-server, L learner ranks and G generators as OS processes.
+
+It owns the run directory and is the only writer of ``metrics.jsonl`` and ``summary.json``.
+Supervision rules:
+- a generator that dies is restarted (up to ``run.max_generator_restarts`` times in all);
+- a learner that dies stops the run with an error naming its log;
+- Ctrl-C (or SIGTERM) stops every child it started, by process group, flushes metrics and writes
+  the summary; the exit code is 0 only when the run completed with its final evaluation.
+Children run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then
+stops them in order: generators and learners first, redis-server last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from asyncrl.config import Config, dump_config
+from asyncrl.control import RunControl, connect
+from asyncrl.errors import UserError
+from asyncrl.launch_progress import Progress, RunStats
+
+STOP_GRACE_S = 10.0  # children get this long to leave on their own before SIGTERM, then SIGKILL
+FINAL_EVAL_TIMEOUT_S = 180.0  # after the learners finish, how long the final evaluation may take
+
+
+@dataclasses.dataclass
+class Child:
+    role: str  # "learner" | "generator"
+    ident: int
+    cmd: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    incarnation: int = 0
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        cmd = [*self.cmd, "--incarnation", str(self.incarnation)] if self.role == "generator" else self.cmd
+        self.proc = subprocess.Popen(
+            cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        log.close()
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.ident}"
+
+    def log_tail(self, lines: int = 8) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def preflight_light(cfg: Config, redis_url: str | None) -> None:
+    """Everything that can be checked without building or starting anything; raises UserError."""
+    from asyncrl.data import import_by_path, load_jsonl
+
+    load_jsonl(cfg.data.train)
+    if cfg.data.eval:
+        load_jsonl(cfg.data.eval)
+    import_by_path(cfg.data.reward)
+    if not (Path(cfg.model.path) / "config.json").is_file() and cfg.model.recipe is None:
+        raise UserError(f"model directory not found: {cfg.model.path} (and model.recipe is not set)")
+    if redis_url:
+        from asyncrl.redis_server import check_redis_url
+
+        check_redis_url(redis_url)
+    else:
+        import shutil
+
+        from asyncrl.redis_server import INSTALL_HINT, REDIS_BINARY
+
+        if shutil.which(REDIS_BINARY) is None:
+            raise UserError(f"{REDIS_BINARY} not found on PATH; {INSTALL_HINT}")
+
+
+def preflight(cfg: Config, redis_url: str | None, log=print) -> None:
+    preflight_light(cfg, redis_url)
+    ensure_model(cfg, log)
+
+
+def ensure_model(cfg: Config, log=print) -> None:
+    path = Path(cfg.model.path)
+    if (path / "config.json").is_file():
+        return
+    if cfg.model.recipe is None:
+        raise UserError(f"model directory not found: {path} (and model.recipe is not set)")
+    from asyncrl.demo_model import prepare_demo_model
+
+    log(f"building the demo model at {path} (once; cached)")
+    prepare_demo_model(path, seed=cfg.run.seed, log=log)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launcher:
+    def __init__(self, cfg: Config, redis_url: str | None = None, console=None):
+        self.cfg = cfg
+        self.redis_url = redis_url or cfg.buffer.redis_url
+        self.run_dir = cfg.run_dir
+        self.console = console
+        self.children: list[Child] = []
+        self.restarts = 0
+        self.redis = None
+        self.stats: RunStats | None = None
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def prepare_run_dir(self) -> Path:
+        if self.run_dir.exists() and not self.cfg.run.overwrite:
+            raise UserError(f"run directory {self.run_dir} exists (set run.overwrite=true or pick another run.name)")
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        for stale in ("metrics.jsonl", "summary.json"):
+            (self.run_dir / stale).unlink(missing_ok=True)
+        config_path = self.run_dir / "config.yaml"
+        config_path.write_text(dump_config(self.cfg))
+        return config_path
+
+    def start_redis(self) -> str:
+        if self.redis_url:
+            return self.redis_url
+        from asyncrl.redis_server import start_redis_server
+
+        self.redis = start_redis_server((self.run_dir / "redis").resolve())
+        return self.redis.url
+
+    def child_env(self, url: str, prefix: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(ASYNCRL_REDIS_URL=url, ASYNCRL_PREFIX=prefix, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        return env
+
+    def spawn(self, config_path: Path, url: str, prefix: str) -> None:
+        cfg, logs = self.cfg, self.run_dir / "logs"
+        base = self.child_env(url, prefix)
+        master_port = str(_free_port())
+        for rank in range(cfg.run.learners):
+            env = dict(base, MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port, RANK=str(rank),
+                       LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.run.learners),
+                       LOCAL_WORLD_SIZE=str(cfg.run.learners))
+            log_path = logs / f"learner-{rank}.log"
+            cmd = [sys.executable, "-m", "asyncrl.learners.worker", "--config", str(config_path),
+                   "--log-file", str(log_path)]
+            self.children.append(Child("learner", rank, cmd, env, log_path))
+        ncpu = os.cpu_count() or 1
+        for i in range(cfg.run.generators):
+            # vLLM's CPU backend pins OpenMP threads; one core each keeps generators off each other
+            env = dict(base, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=str(i % ncpu),
+                       VLLM_CPU_KVCACHE_SPACE=str(cfg.generator.kv_cache_gb))
+            log_path = logs / f"generator-{i}.log"
+            cmd = [sys.executable, "-m", "asyncrl.generators.worker", "--config", str(config_path),
+                   "--id", str(i), "--log-file", str(log_path)]
+            self.children.append(Child("generator", i, cmd, env, log_path))
+        for child in self.children:
+            child.start()
+
+    # -- supervision -------------------------------------------------------------------------------
+    def check_children(self) -> str | None:
+        """Restart dead generators; return an exit reason when the run must end."""
+        learners = [c for c in self.children if c.role == "learner"]
+        for c in learners:
+            code = c.proc.poll()
+            if code not in (None, 0):
+                raise UserError(f"{c.name} exited with code {code}; see {c.log_path}:\n{c.log_tail()}")
+        if all(c.proc.poll() == 0 for c in learners):
+            return "learners_done"
+        for c in self.children:
+            if c.role == "generator" and c.proc.poll() is not None:
+                self.restarts += 1
+                if self.restarts > self.cfg.run.max_generator_restarts:
+                    raise UserError(
+                        f"{c.name} exited with code {c.proc.returncode} and the restart budget "
+                        f"({self.cfg.run.max_generator_restarts}) is spent; see {c.log_path}:\n{c.log_tail()}"
+                    )
+                self.log(f"{c.name} exited with code {c.proc.returncode}; restarting ({self.restarts})")
+                c.incarnation += 1
+                c.start()
+        return None
+
+    def stop_children(self, control: RunControl | None, reason: str) -> None:
+        if control is not None:
+            try:
+                control.request_stop(reason)
+            except Exception:  # redis may be the thing that failed
+                pass
+        deadline = time.monotonic() + STOP_GRACE_S
+        live = [c for c in self.children if c.proc is not None]
+        while time.monotonic() < deadline and any(c.proc.poll() is None for c in live):
+            time.sleep(0.1)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for c in live:
+                if c.proc.poll() is None:
+                    try:
+                        os.killpg(c.proc.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            for c in live:
+                try:
+                    c.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+
+    def log(self, message: str) -> None:
+        if self.console is not None:
+            self.console.log(message)
+
+    # -- the run -----------------------------------------------------------------------------------
+    def run(self) -> int:
+        cfg = self.cfg
+        preflight(cfg, self.redis_url, log=self.log)
+        config_path = self.prepare_run_dir()
+        self.stats = RunStats(cfg)
+        control = None
+        reason, code = "interrupted", 130
+        previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        try:
+            url = self.start_redis()
+            from asyncrl.buffers import run_prefix
+
+            run_id = f"{cfg.run.name}-{secrets.token_hex(4)}"
+            prefix = run_prefix(run_id)
+            control = RunControl(connect(url), prefix)
+            (self.run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "prefix": prefix}))
+            self.spawn(config_path, url, prefix)
+            reason, code = self.supervise(control)
+        except KeyboardInterrupt:
+            self.log("interrupted: stopping every process of the run")
+        except UserError as exc:
+            reason, code = "failed", 1
+            self.stats.error = str(exc)
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.stop_children(control, reason)
+            if control is not None:
+                self.stats.drain(control)
+            self.stats.write_summary(self.run_dir, reason)
+            if self.redis is not None:
+                self.redis.stop()
+        return code
+
+    def supervise(self, control: RunControl) -> tuple[str, int]:
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.run.timeout_s
+        with Progress(self.console, cfg) as progress:
+            learners_done_at = None
+            while True:
+                self.stats.drain(control, on_eval=self.log)
+                progress.update(self.stats)
+                if learners_done_at is None and self.check_children() == "learners_done":
+                    learners_done_at = time.monotonic()
+                if learners_done_at is not None:
+                    if self.stats.final_eval_reward is not None:
+                        return "completed", 0
+                    if time.monotonic() - learners_done_at > FINAL_EVAL_TIMEOUT_S:
+                        raise UserError("the learners finished but no generator ran the final evaluation")
+                if time.monotonic() > deadline:
+                    return "timeout", 1
+                time.sleep(0.25)
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt

@@ -1,0 +1,130 @@
+"""What the launcher knows about a run: metrics in, ``metrics.jsonl`` and ``summary.json`` out,
+and the one live progress line."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from asyncrl.config import Config
+from asyncrl.metrics import JsonlSink
+
+
+class RunStats:
+    """Folds the metric records of every process into the figures of the progress line and summary."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.started = time.time()
+        self.sink = JsonlSink(cfg.run_dir / "metrics.jsonl")
+        self.cursor = "0-0"
+        self.version = 0
+        self.reward = None
+        self.staleness_mean = 0.0
+        self.max_staleness_seen = 0
+        self.dropped_stale = 0
+        self.samples = 0
+        self.first_step_at: tuple[float, int] | None = None  # (learner wall, samples) after step 1
+        self.last_step_at: tuple[float, int] | None = None
+        self.evals: dict[int, float] = {}
+        self.error: str | None = None
+
+    def drain(self, control, on_eval=None) -> None:
+        try:
+            self.cursor, records = control.read_metrics(self.cursor)
+        except Exception:  # the run is ending because redis died; keep what we have
+            return
+        for record in records:
+            self.sink.log(record)
+            self._fold(record, on_eval)
+
+    def _fold(self, record: dict, on_eval) -> None:
+        if "learner/version" in record:
+            self.version = record["learner/version"]
+            self.reward = record.get("learner/reward_mean", self.reward)
+            self.staleness_mean = record["buffer/staleness_mean"]
+            self.max_staleness_seen = max(self.max_staleness_seen, int(record["buffer/staleness_max"]))
+            self.dropped_stale += int(record["buffer/dropped_stale"])
+            self.samples += int(record["learner/samples"])
+            point = (record["learner/wall_seconds"], self.samples)
+            self.first_step_at = self.first_step_at or point
+            self.last_step_at = point
+        if "eval/reward_mean" in record:
+            self.evals[int(record["eval/version"])] = record["eval/reward_mean"]
+            if on_eval is not None:
+                on_eval(f"eval at version {record['eval/version']}: reward {record['eval/reward_mean']:.3f} "
+                        f"(exact {record['eval/exact_rate']:.2f})")
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Trained samples per second between the first and the last learner step (start-up excluded)."""
+        if self.first_step_at is None or self.last_step_at is self.first_step_at:
+            return None
+        (t0, s0), (t1, s1) = self.first_step_at, self.last_step_at
+        return (s1 - s0) / max(t1 - t0, 1e-9)
+
+    @property
+    def initial_eval_reward(self) -> float | None:
+        return self.evals.get(0)
+
+    @property
+    def final_eval_reward(self) -> float | None:
+        return self.evals.get(self.cfg.run.steps)
+
+    def summary(self, exit_reason: str) -> dict:
+        return {
+            "initial_eval_reward": self.initial_eval_reward,
+            "final_eval_reward": self.final_eval_reward,
+            "final_version": self.version,
+            "max_staleness_seen": self.max_staleness_seen,
+            "max_policy_lag": self.cfg.run.max_policy_lag,
+            "samples_per_s": self.samples_per_s,
+            "samples_trained": self.samples,
+            "dropped_stale": self.dropped_stale,
+            "evals": {str(k): v for k, v in sorted(self.evals.items())},
+            "wall_seconds": time.time() - self.started,
+            "exit_reason": exit_reason,
+            "error": self.error,
+        }
+
+    def write_summary(self, run_dir: Path, exit_reason: str) -> dict:
+        self.sink.close()
+        summary = self.summary(exit_reason)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+class Progress:
+    """One live line: version, reward, staleness, samples/s. Silent without a console."""
+
+    def __init__(self, console, cfg: Config):
+        self.console = console
+        self.cfg = cfg
+        self._progress = None
+
+    def __enter__(self) -> Progress:
+        if self.console is not None:
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+
+            self._progress = RichProgress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("version", total=self.cfg.run.steps, info="starting")
+        return self
+
+    def update(self, stats: RunStats) -> None:
+        if self._progress is None:
+            return
+        reward = "-" if stats.reward is None else f"{stats.reward:.3f}"
+        rate = stats.samples_per_s
+        info = (f"reward {reward}  staleness {stats.staleness_mean:.2f} (max {stats.max_staleness_seen})  "
+                f"{'-' if rate is None else f'{rate:.0f}'} samples/s")
+        self._progress.update(self._task, completed=stats.version, info=info)
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()

@@ -1,0 +1,45 @@
+"""The two invariants of asynchronous training, as pure functions.
+
+Policy version ``v`` counts learner optimizer steps (initial weights are version 0). A trajectory's
+version is the OLDEST version among its tokens. ``max_policy_lag = k`` bounds how old a trajectory
+may be when the learner consumes it, and admission control keeps generators from starting work
+that could only arrive stale. The Redis buffer applies the same rules atomically in Lua
+(``asyncrl/buffers/redis_buffer.py``); the property tests in ``tests/test_staleness.py`` pin both.
+"""
+
+from __future__ import annotations
+
+
+def trajectory_version(token_versions) -> int:
+    """The version a trajectory counts as: the oldest policy that produced any of its tokens."""
+    return int(min(token_versions))
+
+
+def staleness(learner_version: int, traj_version: int) -> int:
+    """How many optimizer steps the learner is ahead of the policy that produced a trajectory."""
+    return learner_version - traj_version
+
+
+def is_fresh(learner_version: int, traj_version: int, max_policy_lag: int) -> bool:
+    """The staleness bound: the step that starts at ``learner_version`` may use this trajectory."""
+    return staleness(learner_version, traj_version) <= max_policy_lag
+
+
+def admission_limit(serving_version: int, max_policy_lag: int, groups_per_step: int) -> int:
+    """How many groups may have been started in total while a generator serves ``serving_version``.
+
+    AReaL's rule: ``(g + k + 1) * B``. A group started under this bound is consumed, in order, by a
+    learner step at version ``<= g + k``, so it arrives within the lag bound. With ``k = 0``
+    generators wait for fresh weights after every ``B`` groups: the synchronous loop.
+    """
+    return (serving_version + max_policy_lag + 1) * groups_per_step
+
+
+def may_start_group(
+    serving_version: int, live_started: int, max_policy_lag: int, groups_per_step: int
+) -> bool:
+    """Admission control. ``live_started`` counts groups started minus groups dropped as stale
+
+    (a dropped group gives its slot back, or a learner that needs fresh groups could wait forever).
+    """
+    return live_started < admission_limit(serving_version, max_policy_lag, groups_per_step)

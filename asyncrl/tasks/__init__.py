@@ -1,0 +1,1 @@
+"""Verifiable tasks: each module makes records ``{"prompt", "answer"}`` and scores completions."""

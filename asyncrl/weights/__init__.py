@@ -1,0 +1,75 @@
+"""Weight bus: learner rank 0 publishes each policy version; generators poll for the newest one.
+
+Invariants (what generators rely on):
+- ``poll`` returns only complete versions whose bucket sizes, bucket checksums and whole
+  ``state_dict_checksum`` verified; a half-received or corrupted version is never visible (a bad
+  one is logged, counted in ``subscriber.rejected``, and the previous version stays current).
+- Versions only move forward: ``poll`` returns the newest available version newer than the last one
+  it returned, skipping older queued ones.
+- A subscriber that joins late gets the newest version at once, not at the next learner step.
+- ``publish`` costs the caller one copy of the state dict; a slow, stalled or dead subscriber never
+  blocks it, and at most a few versions are held in memory whatever the subscribers do.
+
+Transports: ZeroMQ (``tcp://host:port`` or ``ipc://path``, see ``zmq_bus``) and the in-process
+stub ``MemoryWeightBus`` (``memory://name``). The wire format is documented in ``wire``.
+"""
+
+from __future__ import annotations
+
+from asyncrl.weights.base import WeightPublisher, WeightSubscriber
+from asyncrl.weights.memory import MemoryWeightBus, MemoryWeightPublisher, MemoryWeightSubscriber
+from asyncrl.weights.wire import (
+    WIRE_HEADER,
+    WeightsRejected,
+    WeightUpdate,
+    decode,
+    encode,
+    state_dict_checksum,
+)
+from asyncrl.weights.zmq_bus import ZmqWeightPublisher, ZmqWeightSubscriber
+
+__all__ = [
+    "WIRE_HEADER",
+    "MemoryWeightBus",
+    "MemoryWeightPublisher",
+    "MemoryWeightSubscriber",
+    "WeightPublisher",
+    "WeightSubscriber",
+    "WeightUpdate",
+    "WeightsRejected",
+    "ZmqWeightPublisher",
+    "ZmqWeightSubscriber",
+    "decode",
+    "encode",
+    "setup_publisher",
+    "setup_subscriber",
+    "state_dict_checksum",
+]
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:*"
+
+
+def setup_publisher(cfg_weights, address: str | None = None) -> WeightPublisher:
+    """The publisher for ``cfg_weights`` (``asyncrl.config.WeightsConfig``).
+
+    ``address`` is what to bind: ``tcp://127.0.0.1:*`` (default: loopback, random free port),
+    ``tcp://0.0.0.0:PORT`` for generators on other hosts, ``ipc:///path``, or ``memory://name``
+    for the in-process stub. ``publisher.address`` is the resolved endpoint to hand to subscribers.
+    """
+    address = address or DEFAULT_ADDRESS
+    bucket_bytes = cfg_weights.bucket_mb << 20
+    if address.startswith("memory://"):
+        return MemoryWeightBus.get(address, create=True, bucket_bytes=bucket_bytes).publisher()
+    if cfg_weights.transport == "zmq":
+        return ZmqWeightPublisher(address, bucket_bytes=bucket_bytes)
+    raise ValueError(f"unknown weights transport {cfg_weights.transport!r}")
+
+
+def setup_subscriber(cfg_weights, address: str, subscriber_id: str, have: int = -1) -> WeightSubscriber:
+    """A subscriber of the publisher at ``address``; ``have`` is the version already loaded
+    (e.g. 0 when the engine started from the initial weights), so only newer ones are delivered."""
+    if address.startswith("memory://"):
+        return MemoryWeightBus.get(address).subscriber(subscriber_id, have)
+    if cfg_weights.transport == "zmq":
+        return ZmqWeightSubscriber(address, subscriber_id, have)
+    raise ValueError(f"unknown weights transport {cfg_weights.transport!r}")

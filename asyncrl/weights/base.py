@@ -1,0 +1,113 @@
+"""Weight bus interfaces and the subscriber logic every transport shares.
+
+Concurrency contract: a publisher's ``publish`` may be called from any one thread and returns after
+copying the state dict (the caller may then change its tensors); delivery happens elsewhere and
+never waits on a subscriber. A subscriber belongs to the one thread that calls ``poll``; ``poll``
+only ever returns complete, verified versions, newest first, each newer than the last one returned,
+so a generator can call it between engine steps and apply what it gets without further checks.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections.abc import Sequence
+
+from asyncrl.weights.wire import WeightsRejected, WeightUpdate, decode, peek_version
+
+log = logging.getLogger("asyncrl.weights")
+
+
+class WeightPublisher(abc.ABC):
+    """Learner rank 0's end: hands each new version to every subscriber, newest wins."""
+
+    address: str  # what subscribers connect to (the resolved endpoint)
+
+    @abc.abstractmethod
+    def publish(self, version: int, state_dict: dict) -> None:
+        """Snapshot ``state_dict`` as ``version`` (strictly increasing) and send it in the background."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class WeightSubscriber(abc.ABC):
+    """A generator's end. ``latest_version`` is the last version ``poll`` returned (or ``have``)."""
+
+    latest_version: int
+    rejected: int  # received versions that failed verification
+
+    @abc.abstractmethod
+    def poll(self, timeout_ms: int = 0) -> WeightUpdate | None:
+        """The newest complete, verified version newer than ``latest_version``, or None."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class VerifyingSubscriber(WeightSubscriber):
+    """``poll`` on top of a transport's ``_receive``: pick the newest message, verify, skip older."""
+
+    def __init__(self, subscriber_id: str, have: int = -1) -> None:
+        self.subscriber_id = subscriber_id
+        self.latest_version = have
+        self.rejected = 0
+
+    @abc.abstractmethod
+    def _receive(self, timeout_ms: int) -> list[Sequence]:
+        """All complete messages that arrived (waiting up to ``timeout_ms`` for the first)."""
+
+    def poll(self, timeout_ms: int = 0) -> WeightUpdate | None:
+        deadline = time.monotonic() + max(timeout_ms, 0) / 1000
+        while True:
+            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            update = self._select(self._receive(remaining_ms))
+            if update is not None or remaining_ms <= 0:
+                return update
+
+    def _reject(self, version: object, reason: str) -> None:
+        self.rejected += 1
+        log.warning(
+            "weights: %s rejected version %s: %s (keeping version %d)",
+            self.subscriber_id,
+            version,
+            reason,
+            self.latest_version,
+        )
+
+    def _select(self, messages: list[Sequence]) -> WeightUpdate | None:
+        candidates = []
+        for frames in messages:
+            try:
+                version, manifest = peek_version(frames)
+            except WeightsRejected as exc:
+                self._reject("?", str(exc))
+                continue
+            if version > self.latest_version:
+                candidates.append((version, manifest, frames))
+        # Newest first; older versions behind a verified one are skipped without the cost of checking.
+        for version, manifest, frames in sorted(candidates, key=lambda c: -c[0]):
+            try:
+                update = decode(frames, manifest)
+            except WeightsRejected as exc:
+                self._reject(version, str(exc))
+                continue
+            self.latest_version = update.version
+            return update
+        return None

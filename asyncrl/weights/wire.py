@@ -1,0 +1,305 @@
+"""Wire format of the weight bus: one policy version as a list of frames. Never pickle.
+
+A version travels as one multipart message::
+
+    [b"asyncrl.weights/1", manifest_msgpack, bucket_0, ..., bucket_{m-1}]
+
+    manifest = {"version": int,                     # policy version (learner optimizer steps)
+                "tensors": [{"name": str, "dtype": str,   # "float32", "bfloat16", "int64", ...
+                             "shape": [int, ...],
+                             "bucket": int,          # index of the bucket frame holding the bytes
+                             "offset": int,          # byte offset in that bucket (multiple of 64)
+                             "nbytes": int}, ...],   # == prod(shape) * itemsize
+                "buckets": [{"nbytes": int, "checksum": str}, ...],
+                "checksum": str,                     # state_dict_checksum of the whole version
+                "created_at": float}                 # publisher wall clock (latency metrics only)
+
+Tensors are packed in sorted-name order, little-endian raw bytes (bfloat16 as its raw 2-byte
+values), into buckets of at most ``bucket_bytes``; a tensor larger than a bucket gets a bucket of
+its own. Padding between tensors is zero bytes. Checksums are ``blake2b(digest_size=16)`` hex: per
+bucket over the bucket frame, and over the whole state dict as defined by ``state_dict_checksum``
+(independent of the bucket size, so both ends of any transport can compare it).
+
+``decode`` verifies everything (header, manifest schema, bucket count and sizes, bucket checksums,
+tensor extents, whole checksum) before building a single tensor: a version is either complete and
+verified or rejected with ``WeightsRejected`` naming the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import msgpack
+import numpy as np
+import torch
+
+WIRE_HEADER = b"asyncrl.weights/1"
+# Tensor offsets inside a bucket are multiples of this (a cache line, and AVX-512 width), so a
+# receiver that maps a bucket in place gets aligned tensors.
+ALIGN = 64
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    )
+    if hasattr(torch, name)
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+
+
+class WeightsRejected(ValueError):
+    """A received version that does not verify; the message is the reason."""
+
+
+@dataclasses.dataclass
+class WeightUpdate:
+    """One complete, verified policy version as CPU tensors (names as published)."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+    checksum: str  # state_dict_checksum(tensors)
+    nbytes: int  # payload bytes (sum of tensor nbytes)
+    received_at: float  # time.time() when the subscriber took it off the wire
+    published_at: float = 0.0  # publisher's time.time() when it serialised the version
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """A version copied out of the caller's tensors into private buckets (checksums not yet done)."""
+
+    version: int
+    entries: list[dict]  # manifest "tensors" entries, sorted by name
+    buckets: list[np.ndarray]  # uint8 (nbytes,) each
+    created_at: float
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """Threads for hashing: hashlib releases the GIL on large buffers, so bucket checksums and the
+    whole-state checksum run in parallel (publish->receive of 100 MB is mostly hashing)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(
+                max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="weights-hash"
+            )
+        return _POOL
+
+
+def _bucket_checksum(buf) -> str:
+    return hashlib.blake2b(buf, digest_size=16).hexdigest()
+
+
+def _checksums(buckets: Sequence, entries: list[dict]) -> tuple[list[str], Future]:
+    """Bucket checksums, and the whole-state checksum (a future) over ``entries`` in given order."""
+    pool = _hash_pool()
+    whole = pool.submit(_digest, [(e["name"], e["dtype"], e["shape"], _view(e, buckets)) for e in entries])
+    return list(pool.map(_bucket_checksum, buckets)), whole
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"weight bus cannot carry dtype {dtype}") from None
+
+
+def _raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes as a uint8 numpy view (a CPU copy only when the tensor is not on CPU)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.numel() == 0:
+        return np.empty(0, np.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _digest(items: Iterable[tuple[str, str, Sequence[int], object]]) -> str:
+    """Canonical hash: per tensor, msgpack([name, dtype, shape]) then its raw bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, dtype, shape, data in items:
+        h.update(msgpack.packb([name, dtype, [int(s) for s in shape]]))
+        h.update(data)
+    return h.hexdigest()
+
+
+def state_dict_checksum(state_dict: dict[str, torch.Tensor]) -> str:
+    """blake2b-128 hex over (name, dtype, shape, bytes) of every tensor in sorted-name order.
+
+    Equal checksums mean equal names, dtypes, shapes and bits (NaN payloads included); the order
+    in which the dict was built and the bucket size do not matter.
+    """
+    return _digest(
+        (name, dtype_name(state_dict[name].dtype), state_dict[name].shape, _raw_bytes(state_dict[name]))
+        for name in sorted(state_dict)
+    )
+
+
+def _plan(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[list[dict], list[int]]:
+    entries: list[dict] = []
+    sizes: list[int] = []
+    for name in sorted(state_dict):
+        t = state_dict[name]
+        nbytes = t.numel() * t.element_size()
+        offset = -(-sizes[-1] // ALIGN) * ALIGN if sizes else 0
+        if not sizes or (sizes[-1] > 0 and offset + nbytes > bucket_bytes):
+            sizes.append(0)
+            offset = 0
+        sizes[-1] = offset + nbytes
+        entries.append(
+            {
+                "name": name,
+                "dtype": dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "bucket": len(sizes) - 1,
+                "offset": offset,
+                "nbytes": nbytes,
+            }
+        )
+    return entries, sizes
+
+
+def snapshot(version: int, state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> Snapshot:
+    """Copy ``state_dict`` into fresh buckets: afterwards the caller may change its tensors."""
+    if not all(isinstance(k, str) for k in state_dict):
+        raise TypeError("state dict names must be strings")
+    entries, sizes = _plan(state_dict, bucket_bytes)
+    buckets = [np.zeros(n, np.uint8) for n in sizes]
+    for e in entries:
+        if e["nbytes"]:
+            src = state_dict[e["name"]].detach().reshape(-1).view(torch.uint8)
+            dst = torch.from_numpy(buckets[e["bucket"]])[e["offset"] : e["offset"] + e["nbytes"]]
+            dst.copy_(src)  # one copy, also straight from GPU memory
+    return Snapshot(int(version), entries, buckets, time.time())
+
+
+def seal(snap: Snapshot) -> list:
+    """Checksum a snapshot and return its frames (the bucket frames are the snapshot's arrays)."""
+    bucket_sums, whole = _checksums(snap.buckets, snap.entries)
+    manifest = {
+        "version": snap.version,
+        "tensors": snap.entries,
+        "buckets": [
+            {"nbytes": int(b.nbytes), "checksum": c} for b, c in zip(snap.buckets, bucket_sums, strict=True)
+        ],
+        "checksum": whole.result(),
+        "created_at": snap.created_at,
+    }
+    return [WIRE_HEADER, msgpack.packb(manifest), *snap.buckets]
+
+
+def encode(version: int, state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list:
+    """The frames of one version (``snapshot`` + ``seal``); tests use it to hand-make messages."""
+    return seal(snapshot(version, state_dict, bucket_bytes))
+
+
+def _buf(frame) -> memoryview:
+    """A flat byte view of a frame: bytes, numpy array, or zmq.Frame (its ``.buffer``)."""
+    return memoryview(getattr(frame, "buffer", frame)).cast("B")
+
+
+def peek_version(frames: Sequence) -> tuple[int, dict]:
+    """Header and manifest only (cheap): the version and the decoded manifest."""
+    if len(frames) < 2:
+        raise WeightsRejected(f"message has {len(frames)} frames, need header and manifest")
+    if bytes(_buf(frames[0])) != WIRE_HEADER:
+        raise WeightsRejected(f"unknown header {bytes(_buf(frames[0]))[:40]!r}")
+    try:
+        manifest = msgpack.unpackb(_buf(frames[1]))
+    except Exception as exc:  # noqa: BLE001 - any decoding failure is a rejection
+        raise WeightsRejected(f"manifest is not msgpack: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise WeightsRejected("manifest is not a map")
+    for key, typ in (("version", int), ("tensors", list), ("buckets", list), ("checksum", str)):
+        if not isinstance(manifest.get(key), typ):
+            raise WeightsRejected(f"manifest field {key!r} missing or not {typ.__name__}")
+    return manifest["version"], manifest
+
+
+def _check_sizes(manifest: dict, buckets: list[memoryview]) -> None:
+    if len(buckets) != len(manifest["buckets"]):
+        raise WeightsRejected(f"{len(buckets)} bucket frames, manifest lists {len(manifest['buckets'])}")
+    for i, (meta, buf) in enumerate(zip(manifest["buckets"], buckets, strict=True)):
+        if not isinstance(meta, dict) or meta.get("nbytes") != buf.nbytes:
+            raise WeightsRejected(f"bucket {i}: {buf.nbytes} bytes received, manifest says {meta!r:.80}")
+
+
+def _check_entry(e: object, buckets: list[memoryview], seen: set[str]) -> None:
+    if not isinstance(e, dict):
+        raise WeightsRejected("tensor entry is not a map")
+    name, shape, dtype = e.get("name"), e.get("shape"), e.get("dtype")
+    if not isinstance(name, str) or name in seen:
+        raise WeightsRejected(f"tensor name {name!r} missing or repeated")
+    seen.add(name)
+    if dtype not in _DTYPES:
+        raise WeightsRejected(f"tensor {name}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise WeightsRejected(f"tensor {name}: bad shape {shape!r}")
+    bucket, offset, nbytes = e.get("bucket"), e.get("offset"), e.get("nbytes")
+    if nbytes != math.prod(shape) * _DTYPES[dtype].itemsize:
+        raise WeightsRejected(f"tensor {name}: nbytes {nbytes!r} does not match {dtype}{shape}")
+    if not (isinstance(bucket, int) and 0 <= bucket < len(buckets)) and nbytes:
+        raise WeightsRejected(f"tensor {name}: bucket {bucket!r} out of range")
+    if nbytes and not (isinstance(offset, int) and 0 <= offset and offset + nbytes <= buckets[bucket].nbytes):
+        raise WeightsRejected(f"tensor {name}: bytes [{offset!r}, +{nbytes}) outside bucket {bucket}")
+
+
+def _view(e: dict, buckets: list[memoryview]) -> memoryview:
+    if not e["nbytes"]:
+        return memoryview(b"")
+    return buckets[e["bucket"]][e["offset"] : e["offset"] + e["nbytes"]]
+
+
+def decode(frames: Sequence, manifest: dict | None = None) -> WeightUpdate:
+    """Verify a received message and build its CPU tensors; raises ``WeightsRejected``."""
+    if manifest is None:
+        _, manifest = peek_version(frames)
+    buckets = [_buf(f) for f in frames[2:]]
+    _check_sizes(manifest, buckets)
+    seen: set[str] = set()
+    for e in manifest["tensors"]:
+        _check_entry(e, buckets, seen)
+    entries = sorted(manifest["tensors"], key=lambda e: e["name"])
+    bucket_sums, whole = _checksums(buckets, entries)
+    checksum = whole.result()
+    for i, (meta, got) in enumerate(zip(manifest["buckets"], bucket_sums, strict=True)):
+        if got != meta.get("checksum"):
+            raise WeightsRejected(f"bucket {i}: checksum mismatch")
+    if checksum != manifest["checksum"]:
+        raise WeightsRejected("state dict checksum mismatch")
+    tensors: dict[str, torch.Tensor] = {}
+    for e in manifest["tensors"]:
+        t = torch.empty(e["shape"], dtype=_DTYPES[e["dtype"]])
+        if e["nbytes"]:
+            t.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(_view(e, buckets), np.uint8)
+        tensors[e["name"]] = t
+    return WeightUpdate(
+        version=manifest["version"],
+        tensors=tensors,
+        checksum=checksum,
+        nbytes=sum(e["nbytes"] for e in entries),
+        received_at=time.time(),
+        published_at=float(manifest.get("created_at", 0.0) or 0.0),
+    )

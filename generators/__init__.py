@@ -1,0 +1,5 @@
+"""Generators: claim prompts, sample groups with an inference engine, score them, push to the buffer.
+
+Installed as ``asyncrl.generators``. Engines (vLLM, transformers) are imported lazily by
+:func:`asyncrl.generators.engine.setup`.
+"""

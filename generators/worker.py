@@ -1,0 +1,204 @@
+"""One generator process: the loop that turns prompts into scored trajectory groups.
+
+Each pass of the loop, between engine calls:
+  1. weights  - apply the newest verified version from the weight bus (never a partial one)
+  2. eval     - if this version is due for a greedy held-out evaluation and no other generator
+                claimed it, run it
+  3. admit    - claim up to ``groups_in_flight`` groups under admission control, keyed on the
+                version this engine serves (so it never starts work that could only arrive stale)
+  4. generate - n samples per claimed prompt, with behaviour log-probs and per-token versions
+  5. score    - reward per sample; a failing reward marks the group failed, never the process
+  6. push     - one msgpack frame per group into the buffer
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+import zlib
+
+import numpy as np
+
+from asyncrl import buffers
+from asyncrl.config import Config, load_config
+from asyncrl.control import RunControl, connect
+from asyncrl.data import import_by_path, load_jsonl, prompt_for_sequence
+from asyncrl.generators.engine import Engine, Sampling
+from asyncrl.generators.engine import setup as setup_engine
+from asyncrl.metrics import RedisSink, setup_logging
+from asyncrl.protocol import Sample, TrajectoryGroup, encode_group
+from asyncrl.weights import setup_subscriber
+
+log = logging.getLogger("asyncrl.generator")
+
+
+def eval_versions(cfg: Config) -> set[int]:
+    """Versions that get a greedy held-out evaluation: the first, every ``eval_every``, the last."""
+    every = cfg.run.eval_every
+    due = set(range(0, cfg.run.steps, every)) if every else {0}
+    return due | {cfg.run.steps}
+
+
+class Generator:
+    def __init__(self, cfg: Config, ident: str, engine: Engine, buffer, control: RunControl, tokenizer):
+        self.cfg = cfg
+        self.ident = ident
+        self.engine = engine
+        self.buffer = buffer
+        self.control = control
+        self.tok = tokenizer
+        self.metrics = RedisSink(control, f"generator/{ident}")
+        self.records = load_jsonl(cfg.data.train)
+        self.eval_records = load_jsonl(cfg.data.eval)[: cfg.data.eval_size] if cfg.data.eval else []
+        self.reward_fn = import_by_path(cfg.data.reward)
+        self.version = 0  # the weights on disk are version 0
+        self.due_evals = eval_versions(cfg) if cfg.generator.eval else set()
+        self.sampling = Sampling(
+            n=cfg.generator.n_samples,
+            temperature=cfg.generator.temperature,
+            top_p=cfg.generator.top_p,
+            max_new_tokens=cfg.generator.max_new_tokens,
+        )
+
+    # -- phases ------------------------------------------------------------------------------------
+    def apply_weights(self, subscriber, timeout_ms: int = 0) -> None:
+        update = subscriber.poll(timeout_ms)
+        if update is None or update.version <= self.version:
+            return
+        t0 = time.perf_counter()
+        self.engine.load_weights(update.tensors)
+        self.version = update.version
+        self.control.heartbeat("generator", self.ident, version=self.version, checksum=update.checksum, pid=os.getpid())
+        self.metrics.log(
+            {
+                "generator/version": self.version,
+                "weights/apply_seconds": time.perf_counter() - t0,
+                "weights/receive_to_apply_seconds": time.time() - update.received_at,
+                "weights/bytes": update.nbytes,
+            }
+        )
+
+    def maybe_evaluate(self) -> None:
+        if self.version not in self.due_evals or not self.eval_records:
+            return
+        self.due_evals.discard(self.version)
+        if not self.control.claim_once(f"eval:{self.version}"):
+            return
+        t0 = time.perf_counter()
+        prompts = [self.tok.encode(r["prompt"]) for r in self.eval_records]
+        greedy = Sampling(n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.sampling.max_new_tokens)
+        outs = self.engine.generate(prompts, greedy)
+        rewards = [self._score(r, o[0].tokens) for r, o in zip(self.eval_records, outs, strict=True)]
+        record = {
+            "eval/version": self.version,
+            "eval/reward_mean": float(np.mean(rewards)),
+            "eval/exact_rate": float(np.mean([r >= 1.0 for r in rewards])),
+            "eval/seconds": time.perf_counter() - t0,
+        }
+        self.metrics.log(record)
+        log.info("eval at version %d: reward %.3f", self.version, record["eval/reward_mean"])
+
+    def admit(self) -> list[int]:
+        cfg = self.cfg
+        seqs = []
+        while len(seqs) < cfg.generator.groups_in_flight:
+            seq = self.buffer.try_start_group(self.version, cfg.run.max_policy_lag, cfg.learner.groups_per_step)
+            if seq is None:
+                break
+            seqs.append(seq)
+        return seqs
+
+    def generate(self, seqs: list[int]) -> list[TrajectoryGroup]:
+        claims = [prompt_for_sequence(s, len(self.records), self.cfg.run.seed) for s in seqs]
+        prompts = [self.tok.encode(self.records[idx]["prompt"]) for _, idx in claims]
+        t0 = time.perf_counter()
+        outs = self.engine.generate(prompts, self.sampling)
+        seconds = time.perf_counter() - t0
+        groups = []
+        for (epoch, idx), prompt, comps in zip(claims, prompts, outs, strict=True):
+            samples = [
+                Sample(
+                    tokens=np.asarray(c.tokens, dtype=np.int32),
+                    logprobs=np.asarray(c.logprobs, dtype=np.float32),
+                    versions=np.full(len(c.tokens), self.version, dtype=np.int32),
+                    reward=self._score(self.records[idx], c.tokens),
+                    finish_reason=c.finish_reason,
+                )
+                for c in comps
+            ]
+            groups.append(TrajectoryGroup(np.asarray(prompt, np.int32), samples, idx, epoch, self.ident))
+        tokens = sum(g.num_tokens for g in groups)
+        self.metrics.log(
+            {
+                "generator/version": self.version,
+                "generator/tokens_per_s": tokens / max(seconds, 1e-9),
+                "generator/groups": len(groups),
+                "generator/reward_mean": float(np.mean([g.rewards.mean() for g in groups])),
+                "generator/generate_seconds": seconds,
+            }
+        )
+        return groups
+
+    def push(self, groups: list[TrajectoryGroup]) -> None:
+        for g in groups:
+            self.buffer.push(g.id, encode_group(g))
+
+    def _score(self, record: dict, tokens: list[int]) -> float:
+        text = self.tok.decode(tokens, skip_special_tokens=True)
+        try:
+            return float(self.reward_fn(record["prompt"], text, record))
+        except Exception:  # a broken reward marks the sample, never kills the generator
+            log.exception("reward function failed on prompt %r", record["prompt"])
+            return 0.0
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self, subscriber) -> None:
+        block_ms = self.cfg.buffer.block_ms
+        parent = os.getppid()
+        while not self.control.stop_requested() and os.getppid() == parent:
+            self.apply_weights(subscriber)
+            self.maybe_evaluate()
+            self.control.heartbeat("generator", self.ident, version=self.version, pid=os.getpid())
+            if self.version >= self.cfg.run.steps:  # the learner is done: only the final eval is left
+                self.apply_weights(subscriber, timeout_ms=block_ms)
+                continue
+            seqs = self.admit()
+            if not seqs:  # admission closed until newer weights arrive
+                self.apply_weights(subscriber, timeout_ms=block_ms)
+                continue
+            self.push(self.generate(seqs))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="asyncrl generator process (started by `asyncrl launch`)")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--incarnation", type=int, default=0, help="restart count; varies the sampling seed")
+    ap.add_argument("--log-file")
+    args = ap.parse_args(argv)
+    setup_logging(args.log_file, name=f"generator-{args.id}")
+    cfg = load_config(args.config)
+    url, prefix = os.environ["ASYNCRL_REDIS_URL"], os.environ["ASYNCRL_PREFIX"]
+    control = RunControl(connect(url), prefix)
+    buffer = buffers.setup(cfg.buffer, url, prefix)
+
+    from transformers import AutoTokenizer
+
+    seed = zlib.crc32(f"{cfg.run.seed}/{args.id}/{args.incarnation}".encode())
+    engine = setup_engine(cfg, seed)
+    address = control.wait_meta("weights_address", timeout_s=600)
+    subscriber = setup_subscriber(cfg.weights, address, subscriber_id=f"generator-{args.id}")
+    gen = Generator(cfg, args.id, engine, buffer, control, AutoTokenizer.from_pretrained(cfg.model.path))
+    log.info("generator %s up (engine %s)", args.id, cfg.generator.engine)
+    try:
+        gen.run(subscriber)
+    finally:
+        subscriber.close()
+        buffer.close()
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()

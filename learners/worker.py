@@ -1,0 +1,211 @@
+"""One learner rank: the loop that turns buffered trajectory groups into policy versions.
+
+All ranks step in lockstep (the gradient all-reduce is a barrier). Each step, at version v:
+  1. collect  - B / L groups for this rank from the buffer's consumer group; a group whose version
+                is older than v - k is dropped and counted (its admission slot is given back); a
+                frame that does not decode goes to dead letters
+  2. loss     - GRPO advantages per group, learner log-probs, token-TIS-corrected policy gradient,
+                normalised by the global token count so the split across ranks does not matter
+  3. step     - DeepSpeed backward + optimizer step: version v + 1
+  4. publish  - rank 0 sets the buffer's version and publishes the weights over the weight bus
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from asyncrl import buffers
+from asyncrl.config import Config, load_config
+from asyncrl.control import RunControl, connect
+from asyncrl.learners.engine import build_engine, full_state_dict, init_distributed, save_final
+from asyncrl.learners.loss import PolicyBatch, group_advantages, grpo_tis_loss, pad_batch, sequence_logprobs
+from asyncrl.metrics import RedisSink, setup_logging
+from asyncrl.protocol import ProtocolError, TrajectoryGroup, decode_group
+from asyncrl.staleness import is_fresh, staleness
+from asyncrl.weights import setup_publisher
+
+log = logging.getLogger("asyncrl.learner")
+
+
+def collect(buffer, consumer: str, need: int, version: int, cfg: Config, control: RunControl):
+    """Block until ``need`` fresh groups are read; returns (groups, dropped_stale, dead)."""
+    groups: list[TrajectoryGroup] = []
+    dropped = dead = 0
+    while len(groups) < need:
+        if control.stop_requested():
+            raise SystemExit("run stopped by the launcher")
+        entries = buffer.read(consumer, need - len(groups), cfg.buffer.block_ms)
+        for entry in entries:
+            try:
+                group = decode_group(entry.frame)
+            except ProtocolError as exc:
+                buffer.dead_letter(entry.frame, str(exc), producer="unknown")
+                dead += 1
+            else:
+                if is_fresh(version, group.version, cfg.run.max_policy_lag):
+                    groups.append(group)
+                else:
+                    dropped += 1
+        buffer.ack([e.entry_id for e in entries])
+    if dropped:
+        buffer.record_dropped(dropped)
+    return groups, dropped, dead
+
+
+def make_batch(groups: list[TrajectoryGroup], cfg: Config, pad_id: int, version: int) -> dict:
+    rewards = torch.tensor(np.stack([g.rewards for g in groups]))  # (G, n)
+    adv = group_advantages(rewards, cfg.algorithm.normalize_std, cfg.algorithm.adv_eps)
+    seqs = [(g.prompt_ids, s.tokens, s.logprobs) for g in groups for s in g.samples]
+    batch = pad_batch(seqs, pad_id)
+    # 1.0 where a response token was produced by the version this learner holds (for the mismatch metric)
+    same = torch.zeros_like(batch["response_mask"])
+    for i, (g, s) in enumerate((g, s) for g in groups for s in g.samples):
+        p = len(g.prompt_ids)
+        same[i, p - 1 : p - 1 + len(s.tokens)] = torch.from_numpy((s.versions == version).astype(np.float32))
+    batch["same_version"] = same
+    batch["advantages"] = adv.reshape(-1).to(torch.float32)
+    return batch
+
+
+def global_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def global_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def train_step(engine, batch: dict, cfg: Config, world: int):
+    """Forward, loss, backward, optimizer step. Returns the loss output and global token count."""
+    local_tokens = float(batch["response_mask"].sum())
+    (total_tokens,) = global_sum([local_tokens])
+    logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logprobs = sequence_logprobs(logits, batch["input_ids"], cfg.generator.temperature)
+    policy = PolicyBatch(
+        logprobs=logprobs,
+        behaviour_logprobs=batch["behaviour_logprobs"],
+        advantages=batch["advantages"],
+        mask=batch["response_mask"],
+    )
+    # DeepSpeed averages gradients over ranks; N / L makes the sum the full-batch gradient.
+    out = grpo_tis_loss(policy, cfg.algorithm.tis_cap, total_tokens / world)
+    engine.backward(out.loss)
+    engine.step()
+    diff = (logprobs.detach() - batch["behaviour_logprobs"]).abs() * batch["same_version"]
+    mismatch = (float(diff.sum()), float(batch["same_version"].sum()))
+    return out, total_tokens, mismatch
+
+
+def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None:
+    from transformers import AutoTokenizer
+
+    pad_id = AutoTokenizer.from_pretrained(cfg.model.path).pad_token_id
+    engine = build_engine(cfg)
+    metrics = RedisSink(control, f"learner/{rank}")
+    need = cfg.learner.groups_per_step // world
+    publisher = setup_publisher(cfg.weights) if rank == 0 else None
+    state = full_state_dict(engine, cfg.learner.zero_stage)
+    if publisher is not None:
+        publisher.publish(0, state)
+        control.set_meta("weights_address", publisher.address)
+    t_start = time.time()
+    for version in range(cfg.run.steps):
+        # 1. collect
+        t0 = time.perf_counter()
+        groups, dropped, dead = collect(buffer, f"rank{rank}", need, version, cfg, control)
+        t_collect = time.perf_counter() - t0
+        stale = [staleness(version, g.version) for g in groups]
+        # 2-3. loss and step
+        t0 = time.perf_counter()
+        batch = make_batch(groups, cfg, pad_id, version)
+        out, total_tokens, mismatch = train_step(engine, batch, cfg, world)
+        t_train = time.perf_counter() - t0
+        # 4. publish
+        t0 = time.perf_counter()
+        state = full_state_dict(engine, cfg.learner.zero_stage)
+        if publisher is not None:
+            buffer.set_version(version + 1)
+            publisher.publish(version + 1, state)
+        t_publish = time.perf_counter() - t0
+        # metrics: global over ranks
+        sums = global_sum([out.loss.item(), sum(stale), len(stale), dropped, dead, *mismatch])
+        max_stale = global_max(max(stale))
+        if rank == 0:
+            loss, stale_sum, n_groups, dropped_all, dead_all, mm_sum, mm_count = sums
+            record = {
+                "learner/version": version + 1,
+                "learner/loss": loss,
+                "learner/tokens": total_tokens,
+                "learner/lr": engine.get_lr()[0],
+                "learner/behaviour_logprob_mismatch": mm_sum / mm_count if mm_count else None,
+                "learner/tis_clip_frac": out.tis_clip_frac,
+                "learner/tis_weight_mean": out.tis_weight_mean,
+                "learner/behaviour_kl": out.behaviour_kl,
+                "learner/reward_mean": float(np.mean([g.rewards.mean() for g in groups])),
+                "learner/samples": n_groups * cfg.generator.n_samples,
+                "learner/wall_seconds": time.time() - t_start,
+                "buffer/staleness_mean": stale_sum / n_groups,
+                "buffer/staleness_max": max_stale,
+                "buffer/dropped_stale": dropped_all,
+                "buffer/dead_letters": dead_all,
+                "time/collect_s": t_collect,
+                "time/train_s": t_train,
+                "time/publish_s": t_publish,
+            }
+            metrics.log(record)
+            control.heartbeat("learner", "0", version=version + 1, pid=os.getpid())
+    # the end: make sure a generator serves the final version (it runs the final evaluation)
+    if rank == 0:
+        control.set_meta("final_version", cfg.run.steps)
+    if cfg.learner.checkpoint:
+        save_final(engine, cfg, cfg.run_dir, state, cfg.run.steps)
+    if publisher is not None:
+        wait_for_generators(control, cfg.run.steps, timeout_s=120)
+        publisher.close()
+
+
+def wait_for_generators(control: RunControl, version: int, timeout_s: float) -> None:
+    """Keep the publisher alive until some generator serves ``version`` (or the launcher stops us)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not control.stop_requested():
+        beats = control.heartbeats("generator")
+        if any(int(b.get("version", -1)) >= version for b in beats.values()):
+            return
+        time.sleep(0.2)
+    log.warning("no generator reported version %d within %.0fs", version, timeout_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="asyncrl learner rank (started by `asyncrl launch`)")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--log-file")
+    args = ap.parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    setup_logging(args.log_file, name=f"learner-{rank}")
+    torch.set_num_threads(int(os.environ.get("ASYNCRL_TORCH_THREADS", "1")))
+    torch.manual_seed(0)
+    cfg = load_config(args.config)
+    url, prefix = os.environ["ASYNCRL_REDIS_URL"], os.environ["ASYNCRL_PREFIX"]
+    control = RunControl(connect(url), prefix)
+    buffer = buffers.setup(cfg.buffer, url, prefix)
+    init_distributed(cfg)
+    try:
+        run(cfg, control, buffer, rank, world)
+    finally:
+        buffer.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

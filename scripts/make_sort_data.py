@@ -1,0 +1,34 @@
+"""Write data/sort/train.jsonl and data/sort/eval.jsonl deterministically (held-out prompts disjoint).
+
+Usage: python scripts/make_sort_data.py [--out data/sort]. The records come from
+``asyncrl.tasks.sort.make_splits(N_TRAIN, N_EVAL, DATA_SEED)``, the same call the demo model's SFT
+warm-up makes, so the files and the warm-up always agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from asyncrl.tasks.sort import DATA_SEED, N_EVAL, N_TRAIN, make_splits
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="data/sort", help="output folder")
+    args = ap.parse_args()
+    train, held_out = make_splits(N_TRAIN, N_EVAL, DATA_SEED)
+    out = Path(args.out)
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "eval.jsonl", held_out)
+    print(f"wrote {len(train)} train and {len(held_out)} eval records to {out}")
+
+
+if __name__ == "__main__":
+    main()

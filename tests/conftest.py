@@ -1,0 +1,55 @@
+"""Shared fixtures: a real ``redis-server`` for tests marked ``redis``.
+
+A missing binary skips those tests on a laptop but FAILS them under CI (``CI=true``): CI must
+never pass by skipping the service it is meant to test. Servers are stopped by pid, never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from asyncrl.redis_server import REDIS_BINARY, RedisServer, start_redis_server
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def require_redis_binary() -> None:
+    if shutil.which(REDIS_BINARY) is None:
+        msg = f"{REDIS_BINARY} not on PATH (apt-get install redis-server)"
+        if in_ci():
+            pytest.fail(msg + "; CI=true, so this is a failure, not a skip")
+        pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One server for the whole session; tests isolate themselves with a unique key prefix.
+
+    Tests that stop, kill or restart a server use :func:`make_redis_server` instead.
+    """
+    require_redis_binary()
+    server = start_redis_server(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., RedisServer]]:
+    """Factory of private servers (for lifecycle tests); each is stopped by pid at teardown."""
+    require_redis_binary()
+    started: list[RedisServer] = []
+
+    def make(**kwargs) -> RedisServer:
+        server = start_redis_server(tmp_path_factory.mktemp("redis-own"), **kwargs)
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()

@@ -1,0 +1,119 @@
+"""Config validation, overrides, and the CLI's one-line errors for bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import Config, load_config, parse_override
+from asyncrl.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo-cpu.yaml"
+
+
+def test_demo_config_is_valid():
+    cfg = load_config(DEMO)
+    assert cfg.run.learners == 2 and cfg.generator.engine == "vllm"
+    assert cfg.learner.groups_per_step % cfg.run.learners == 0
+
+
+def test_overrides_are_parsed_as_yaml_and_applied():
+    assert parse_override("learner.lr=1e-5") == ("learner.lr", 1e-5)
+    assert parse_override("model.recipe=null") == ("model.recipe", None)
+    cfg = load_config(DEMO, {"learner.lr": 1e-5, "run.max_policy_lag": 0})
+    assert cfg.learner.lr == 1e-5 and cfg.run.max_policy_lag == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"learner.lr": -1}, "learner.lr"),
+        ({"run.max_policy_lag": -1}, "run.max_policy_lag"),
+        ({"generator.engine": "tgi"}, "generator.engine"),
+        ({"learner.typo": 1}, "learner.typo"),
+        ({"learner.zero_stage": 4}, "learner.zero_stage"),
+    ],
+)
+def test_invalid_values_name_the_field(overrides, field):
+    with pytest.raises(UserError, match=field.replace(".", r"\.")):
+        load_config(DEMO, overrides)
+
+
+def test_cross_field_rule_groups_divisible_by_learners():
+    with pytest.raises(UserError, match="divisible"):
+        load_config(None, {"run.learners": 3, "learner.groups_per_step": 8})
+
+
+def test_config_is_frozen():
+    cfg = Config()
+    with pytest.raises(Exception):
+        cfg.run.steps = 3  # type: ignore[misc]
+
+
+def test_bad_override_syntax():
+    with pytest.raises(UserError, match="section.field=value"):
+        parse_override("learner.lr")
+
+
+def asyncrl(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", *args], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, **(env or {})}, timeout=120,
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    first = proc.stderr.strip().splitlines()[0]
+    assert first.startswith("asyncrl: error: ")
+    for needle in needles:
+        assert needle in first, proc.stderr
+
+
+def test_dry_run_prints_resolved_config_and_starts_nothing(tmp_path):
+    proc = asyncrl("launch", "--config", str(DEMO), "--generators", "3", "--max-policy-lag", "2",
+                   "--set", f"run.out_dir={tmp_path}", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    printed = load_config(None, None).model_validate(__import__("yaml").safe_load(proc.stdout))
+    assert printed.run.generators == 3 and printed.run.max_policy_lag == 2
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_invalid_config_value_exits_2_naming_the_field():
+    proc = asyncrl("launch", "--config", str(DEMO), "--set", "learner.lr=-1", "--dry-run")
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "learner.lr")
+
+
+def test_cli_missing_dataset():
+    proc = asyncrl("launch", "--config", str(DEMO), "--set", "data.train=missing.jsonl", "--dry-run")
+    assert_one_line_error(proc, "dataset file not found", "missing.jsonl")
+
+
+def test_cli_missing_config_file():
+    proc = asyncrl("launch", "--config", "nope.yaml", "--dry-run")
+    assert_one_line_error(proc, "config file not found")
+
+
+def test_cli_no_redis_server_binary_says_how_to_install(tmp_path):
+    # a PATH without redis-server (python is called by absolute path)
+    proc = asyncrl("launch", "--config", str(DEMO), "--dry-run", env={"PATH": str(tmp_path)})
+    assert_one_line_error(proc, "redis-server not found", "apt-get install redis-server")
+
+
+def test_cli_unreachable_redis_url():
+    proc = asyncrl("launch", "--config", str(DEMO), "--redis-url", "redis://:secret@127.0.0.1:1/0", "--dry-run")
+    assert_one_line_error(proc, "cannot reach Redis", "127.0.0.1:1")
+    assert "secret" not in proc.stderr
+
+
+def test_help_is_fast_and_imports_nothing_heavy():
+    code = "import sys, asyncrl.cli; print(any(m in sys.modules for m in ('torch', 'vllm', 'deepspeed')))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.stdout.strip() == "False"
