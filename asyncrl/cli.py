@@ -17,8 +17,14 @@ def _launch_parser(sub) -> None:
     p.add_argument("--steps", type=int, help="learner steps (run.steps)")
     p.add_argument("--name", help="run name; the run directory is runs/<name> (run.name)")
     p.add_argument("--redis-url", help="use this Redis server instead of starting one")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted config override, e.g. --set learner.lr=1e-5 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted config override, e.g. --set learner.lr=1e-5 (repeatable)",
+    )
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; start nothing")
     p.set_defaults(func=cmd_launch)
 
@@ -27,9 +33,14 @@ def resolve_config(args):
     from asyncrl.config import load_config, parse_override
 
     overrides = dict(parse_override(o) for o in args.overrides)
-    flags = {"run.generators": args.generators, "run.learners": args.learners,
-             "run.max_policy_lag": args.max_policy_lag, "run.steps": args.steps, "run.name": args.name,
-             "buffer.redis_url": args.redis_url}
+    flags = {
+        "run.generators": args.generators,
+        "run.learners": args.learners,
+        "run.max_policy_lag": args.max_policy_lag,
+        "run.steps": args.steps,
+        "run.name": args.name,
+        "buffer.redis_url": args.redis_url,
+    }
     overrides.update({k: v for k, v in flags.items() if v is not None})
     return load_config(args.config, overrides)
 

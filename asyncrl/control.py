@@ -5,6 +5,7 @@ Every process of a run talks to the same Redis (the buffer's). Keys live under t
 ``meta`` (hash)            weights address, final version, ...; written once, read by anyone
 ``hb:<role>:<id>`` (hash)  heartbeat of one process: version it serves, pid, time; expires
 ``claim:<name>``           SET NX once-only claims (e.g. which generator evaluates version v)
+``inflight`` (hash)        groups each generator admitted but has not pushed (released if it dies)
 ``metrics`` (stream)       JSON metric records from every process; the launcher is its only reader
 ``stop``                   set by the launcher; every child loop exits when it sees it
 """
@@ -61,6 +62,19 @@ class RunControl:
     def claim_once(self, name: str) -> bool:
         """True for exactly one caller across all processes."""
         return bool(self.r.set(self._k(f"claim:{name}"), 1, nx=True))
+
+    # -- in-flight groups ---------------------------------------------------------------------------
+    def set_inflight(self, ident: str, n: int) -> None:
+        """Groups this generator admitted and has not pushed yet."""
+        self.r.hset(self._k("inflight"), ident, n)
+
+    def take_inflight(self, ident: str) -> int:
+        """For the launcher after a generator died: its unpushed groups, reset to 0."""
+        with self.r.pipeline() as p:
+            p.hget(self._k("inflight"), ident)
+            p.hset(self._k("inflight"), ident, 0)
+            value, _ = p.execute()
+        return int(value or 0)
 
     # -- heartbeats -------------------------------------------------------------------------------
     def heartbeat(self, role: str, ident: str, **fields: str | int | float) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
 import functools
+import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path

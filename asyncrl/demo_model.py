@@ -46,7 +46,11 @@ SFT_LR = 1e-3
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what the ByteLevel pre-tokenizer emits)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = list(printable)
     extra = 0
     for b in range(256):
@@ -97,8 +101,9 @@ def build_model(tokenizer, seed: int = 0):
     return LlamaForCausalLM(config).float()
 
 
-def sample_tokens(model, prompt_ids, max_new_tokens: int, eos_id: int, pad_id: int,
-                  temperature: float = 0.0, generator=None):
+def sample_tokens(
+    model, prompt_ids, max_new_tokens: int, eos_id: int, pad_id: int, temperature: float = 0.0, generator=None
+):
     """Decode continuations of equal-length prompts ``(B, P)``; temperature 0 is greedy.
 
     Returns ``(tokens, logprobs, mask)``, each ``(B, T)``: sampled ids (pad after the first EOS),
@@ -153,7 +158,9 @@ def greedy_eval(model, tokenizer, records: Sequence[dict], max_new_tokens: int =
     rewards, exacts = [0.0] * len(records), [False] * len(records)
     for idx in _by_prompt_length(tokenizer, records).values():
         ids = torch.tensor([tokenizer.encode(records[i]["prompt"]) for i in idx])
-        tokens, _, _ = sample_tokens(model, ids, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        tokens, _, _ = sample_tokens(
+            model, ids, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id
+        )
         for i, text in zip(idx, decode_completions(tokenizer, tokens), strict=True):
             rewards[i] = sort.reward(records[i]["prompt"], text, records[i])
             exacts[i] = sort.exact(text, records[i])
@@ -180,9 +187,16 @@ def _sft_batch(tokenizer, records: Sequence[dict]):
     return ids, att, lab
 
 
-def sft_warmup(model, tokenizer, train: Sequence[dict], seed: int, log: Callable[[str], Any] = print,
-               steps: int = SFT_STEPS, sorted_fraction: float = SFT_SORTED_FRACTION) -> float:
-    """Supervised warm-up on the sorted / smallest-letter-dropped mixture with cosine lr; returns the last loss."""
+def sft_warmup(
+    model,
+    tokenizer,
+    train: Sequence[dict],
+    seed: int,
+    log: Callable[[str], Any] = print,
+    steps: int = SFT_STEPS,
+    sorted_fraction: float = SFT_SORTED_FRACTION,
+) -> float:
+    """Supervised warm-up on the sorted / smallest-letter-dropped mixture; returns the last loss."""
     import torch
 
     rng = random.Random(seed)
@@ -229,10 +243,18 @@ def prepare_demo_model(path: str | Path, seed: int = 0, log: Callable[[str], Any
     steps = SFT_STEPS
     sft_warmup(model, tokenizer, train, seed, log, steps)
     scores = greedy_eval(model.eval(), tokenizer, held_out)
-    log(f"demo model: {steps} SFT steps in {time.monotonic() - started:.1f}s, held-out greedy "
-        f"reward {scores['reward_mean']:.3f} exact {scores['exact_rate']:.3f}")
-    recipe = {"recipe": RECIPE, "seed": seed, "sft_steps": steps, "eval_reward": scores["reward_mean"],
-              "eval_exact": scores["exact_rate"], "eval_records": len(held_out)}
+    log(
+        f"demo model: {steps} SFT steps in {time.monotonic() - started:.1f}s, held-out greedy "
+        f"reward {scores['reward_mean']:.3f} exact {scores['exact_rate']:.3f}"
+    )
+    recipe = {
+        "recipe": RECIPE,
+        "seed": seed,
+        "sft_steps": steps,
+        "eval_reward": scores["reward_mean"],
+        "eval_exact": scores["exact_rate"],
+        "eval_records": len(held_out),
+    }
     _publish(path, model, tokenizer, recipe)
     return path
 

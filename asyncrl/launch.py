@@ -116,6 +116,8 @@ class Launcher:
         self.children: list[Child] = []
         self.restarts = 0
         self.redis = None
+        self.run_info: dict = {}
+        self.buffer = None
         self.stats: RunStats | None = None
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -147,27 +149,53 @@ class Launcher:
         base = self.child_env(url, prefix)
         master_port = str(_free_port())
         for rank in range(cfg.run.learners):
-            env = dict(base, MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port, RANK=str(rank),
-                       LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.run.learners),
-                       LOCAL_WORLD_SIZE=str(cfg.run.learners))
+            env = dict(
+                base,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=master_port,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(cfg.run.learners),
+                LOCAL_WORLD_SIZE=str(cfg.run.learners),
+            )
             log_path = logs / f"learner-{rank}.log"
-            cmd = [sys.executable, "-m", "asyncrl.learners.worker", "--config", str(config_path),
-                   "--log-file", str(log_path)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "asyncrl.learners.worker",
+                "--config",
+                str(config_path),
+                "--log-file",
+                str(log_path),
+            ]
             self.children.append(Child("learner", rank, cmd, env, log_path))
         ncpu = os.cpu_count() or 1
         for i in range(cfg.run.generators):
             # vLLM's CPU backend pins OpenMP threads; one core each keeps generators off each other
-            env = dict(base, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=str(i % ncpu),
-                       VLLM_CPU_KVCACHE_SPACE=str(cfg.generator.kv_cache_gb))
+            env = dict(
+                base,
+                VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                VLLM_CPU_OMP_THREADS_BIND=str(i % ncpu),
+                VLLM_CPU_KVCACHE_SPACE=str(cfg.generator.kv_cache_gb),
+            )
             log_path = logs / f"generator-{i}.log"
-            cmd = [sys.executable, "-m", "asyncrl.generators.worker", "--config", str(config_path),
-                   "--id", str(i), "--log-file", str(log_path)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "asyncrl.generators.worker",
+                "--config",
+                str(config_path),
+                "--id",
+                str(i),
+                "--log-file",
+                str(log_path),
+            ]
             self.children.append(Child("generator", i, cmd, env, log_path))
         for child in self.children:
             child.start()
 
     # -- supervision -------------------------------------------------------------------------------
-    def check_children(self) -> str | None:
+    def check_children(self, control: RunControl) -> str | None:
         """Restart dead generators; return an exit reason when the run must end."""
         learners = [c for c in self.children if c.role == "learner"]
         for c in learners:
@@ -184,10 +212,19 @@ class Launcher:
                         f"{c.name} exited with code {c.proc.returncode} and the restart budget "
                         f"({self.cfg.run.max_generator_restarts}) is spent; see {c.log_path}:\n{c.log_tail()}"
                     )
+                lost = control.take_inflight(str(c.ident))
+                if lost:  # its admitted-but-unpushed groups would otherwise hold admission slots forever
+                    self.buffer.release(lost)
                 self.log(f"{c.name} exited with code {c.proc.returncode}; restarting ({self.restarts})")
                 c.incarnation += 1
                 c.start()
+                self.write_run_info()
         return None
+
+    def write_run_info(self) -> None:
+        """``run.json``: the run's Redis prefix and the pids of every process this launcher started."""
+        pids = {c.name: c.proc.pid for c in self.children if c.proc is not None}
+        (self.run_dir / "run.json").write_text(json.dumps({**self.run_info, "pids": pids}, indent=2) + "\n")
 
     def stop_children(self, control: RunControl | None, reason: str) -> None:
         if control is not None:
@@ -228,12 +265,20 @@ class Launcher:
         try:
             url = self.start_redis()
             from asyncrl.buffers import run_prefix
+            from asyncrl.buffers import setup as setup_buffer
 
             run_id = f"{cfg.run.name}-{secrets.token_hex(4)}"
             prefix = run_prefix(run_id)
             control = RunControl(connect(url), prefix)
-            (self.run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "prefix": prefix}))
+            self.buffer = setup_buffer(cfg.buffer, url, prefix)
+            self.run_info = {
+                "run_id": run_id,
+                "prefix": prefix,
+                "launcher_pid": os.getpid(),
+                "redis_pid": self.redis.pid if self.redis else None,
+            }
             self.spawn(config_path, url, prefix)
+            self.write_run_info()
             reason, code = self.supervise(control)
         except KeyboardInterrupt:
             self.log("interrupted: stopping every process of the run")
@@ -247,6 +292,8 @@ class Launcher:
             if control is not None:
                 self.stats.drain(control)
             self.stats.write_summary(self.run_dir, reason)
+            if self.buffer is not None:
+                self.buffer.close()
             if self.redis is not None:
                 self.redis.stop()
         return code
@@ -259,7 +306,7 @@ class Launcher:
             while True:
                 self.stats.drain(control, on_eval=self.log)
                 progress.update(self.stats)
-                if learners_done_at is None and self.check_children() == "learners_done":
+                if learners_done_at is None and self.check_children(control) == "learners_done":
                     learners_done_at = time.monotonic()
                 if learners_done_at is not None:
                     if self.stats.final_eval_reward is not None:

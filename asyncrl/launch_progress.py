@@ -53,8 +53,10 @@ class RunStats:
         if "eval/reward_mean" in record:
             self.evals[int(record["eval/version"])] = record["eval/reward_mean"]
             if on_eval is not None:
-                on_eval(f"eval at version {record['eval/version']}: reward {record['eval/reward_mean']:.3f} "
-                        f"(exact {record['eval/exact_rate']:.2f})")
+                on_eval(
+                    f"eval at version {record['eval/version']}: reward {record['eval/reward_mean']:.3f} "
+                    f"(exact {record['eval/exact_rate']:.2f})"
+                )
 
     @property
     def samples_per_s(self) -> float | None:
@@ -109,8 +111,12 @@ class Progress:
             from rich.progress import Progress as RichProgress
 
             self._progress = RichProgress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console,
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                console=self.console,
             )
             self._progress.start()
             self._task = self._progress.add_task("version", total=self.cfg.run.steps, info="starting")
@@ -121,8 +127,10 @@ class Progress:
             return
         reward = "-" if stats.reward is None else f"{stats.reward:.3f}"
         rate = stats.samples_per_s
-        info = (f"reward {reward}  staleness {stats.staleness_mean:.2f} (max {stats.max_staleness_seen})  "
-                f"{'-' if rate is None else f'{rate:.0f}'} samples/s")
+        info = (
+            f"reward {reward}  staleness {stats.staleness_mean:.2f} (max {stats.max_staleness_seen})  "
+            f"{'-' if rate is None else f'{rate:.0f}'} samples/s"
+        )
         self._progress.update(self._task, completed=stats.version, info=info)
 
     def __exit__(self, *exc) -> None:

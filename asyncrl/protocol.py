@@ -154,9 +154,7 @@ def _decode_sample(obj: dict) -> Sample:
         finish_reason=str(obj.get("finish_reason", "stop")),
     )
     if not (s.tokens.shape == s.logprobs.shape == s.versions.shape) or s.tokens.ndim != 1:
-        raise ProtocolError(
-            f"inconsistent sample shapes {s.tokens.shape}, {s.logprobs.shape}, {s.versions.shape}"
-        )
+        raise ProtocolError(f"inconsistent sample shapes {s.tokens.shape}, {s.logprobs.shape}, {s.versions.shape}")
     if len(s.tokens) == 0:
         raise ProtocolError("empty response")
     if not np.all(np.isfinite(s.logprobs)) or not math.isfinite(s.reward):

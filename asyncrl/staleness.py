@@ -35,9 +35,7 @@ def admission_limit(serving_version: int, max_policy_lag: int, groups_per_step: 
     return (serving_version + max_policy_lag + 1) * groups_per_step
 
 
-def may_start_group(
-    serving_version: int, live_started: int, max_policy_lag: int, groups_per_step: int
-) -> bool:
+def may_start_group(serving_version: int, live_started: int, max_policy_lag: int, groups_per_step: int) -> bool:
     """Admission control. ``live_started`` counts groups started minus groups dropped as stale
 
     (a dropped group gives its slot back, or a learner that needs fresh groups could wait forever).

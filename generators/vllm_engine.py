@@ -23,6 +23,11 @@ class WeightReloadExtension:
     def asyncrl_reload(self, tensors: dict[str, torch.Tensor]) -> None:
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
 
+    def asyncrl_plain_params(self) -> dict[str, torch.Tensor]:
+        """Parameters still held as plain tensors (embeddings, norms, head). On CPU the linear
+        layers' weights live in opaque prepacked oneDNN handles and read back as empty."""
+        return {name: p.detach().clone() for name, p in self.model_runner.get_model().named_parameters() if p.numel()}
+
 
 class VllmEngine(Engine):
     def __init__(self, cfg: Config, seed: int):
@@ -59,6 +64,9 @@ class VllmEngine(Engine):
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         self.llm.collective_rpc("asyncrl_reload", args=(tensors,))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def plain_params(self) -> dict[str, torch.Tensor]:
+        return self.llm.collective_rpc("asyncrl_plain_params")[0]
 
 
 def _completion(c) -> Completion:

@@ -168,7 +168,9 @@ class Generator:
             if not seqs:  # admission closed until newer weights arrive
                 self.apply_weights(subscriber, timeout_ms=block_ms)
                 continue
+            self.control.set_inflight(self.ident, len(seqs))
             self.push(self.generate(seqs))
+            self.control.set_inflight(self.ident, 0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -66,9 +66,9 @@ def make_batch(groups: list[TrajectoryGroup], cfg: Config, pad_id: int, version:
     batch = pad_batch(seqs, pad_id)
     # 1.0 where a response token was produced by the version this learner holds (for the mismatch metric)
     same = torch.zeros_like(batch["response_mask"])
-    for i, (g, s) in enumerate((g, s) for g in groups for s in g.samples):
-        p = len(g.prompt_ids)
-        same[i, p - 1 : p - 1 + len(s.tokens)] = torch.from_numpy((s.versions == version).astype(np.float32))
+    rows = [(len(g.prompt_ids), s.versions) for g in groups for s in g.samples]
+    for i, (p, versions) in enumerate(rows):
+        same[i, p - 1 : p - 1 + len(versions)] = torch.from_numpy((versions == version).astype(np.float32))
     batch["same_version"] = same
     batch["advantages"] = adv.reshape(-1).to(torch.float32)
     return batch

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from asyncrl.config import Config, load_config, parse_override
 from asyncrl.errors import UserError
@@ -51,7 +52,7 @@ def test_cross_field_rule_groups_divisible_by_learners():
 
 def test_config_is_frozen():
     cfg = Config()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.run.steps = 3  # type: ignore[misc]
 
 
@@ -62,8 +63,12 @@ def test_bad_override_syntax():
 
 def asyncrl(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", *args], cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, **(env or {})}, timeout=120,
+        [sys.executable, "-m", "asyncrl.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
     )
 
 
@@ -77,8 +82,18 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
 
 
 def test_dry_run_prints_resolved_config_and_starts_nothing(tmp_path):
-    proc = asyncrl("launch", "--config", str(DEMO), "--generators", "3", "--max-policy-lag", "2",
-                   "--set", f"run.out_dir={tmp_path}", "--dry-run")
+    proc = asyncrl(
+        "launch",
+        "--config",
+        str(DEMO),
+        "--generators",
+        "3",
+        "--max-policy-lag",
+        "2",
+        "--set",
+        f"run.out_dir={tmp_path}",
+        "--dry-run",
+    )
     assert proc.returncode == 0, proc.stderr
     printed = load_config(None, None).model_validate(__import__("yaml").safe_load(proc.stdout))
     assert printed.run.generators == 3 and printed.run.max_policy_lag == 2

@@ -16,6 +16,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from asyncrl.errors import UserError
 from asyncrl.learners.loss import (
     ADVANTAGES,
     LOSSES,
@@ -27,11 +32,6 @@ from asyncrl.learners.loss import (
     pad_batch,
     sequence_logprobs,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
-
-from asyncrl.errors import UserError
 
 torch.set_num_threads(1)
 TOL = 1e-6

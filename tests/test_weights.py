@@ -241,7 +241,8 @@ def test_rapid_versions_end_on_newest(bus):
     seen = wait_version(sub, n)
     versions = [u.version for u in seen]
     assert versions == sorted(set(versions)) and versions[-1] == n  # strictly increasing, ends on newest
-    assert len(versions) < n or bus.transport != "memory"  # the stub's inbox skips old versions too
+    if bus.transport == "memory":
+        assert versions == [n]  # everything was queued before the first poll: only the newest is applied
     assert seen[-1].checksum == state_dict_checksum(small_state(n, size=5_000))
     assert sub.poll(timeout_ms=100) is None  # nothing older comes back afterwards
 

@@ -13,8 +13,12 @@ import abc
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from asyncrl.weights.wire import WeightsRejected, WeightUpdate, decode, peek_version
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("asyncrl.weights")
 
@@ -25,7 +29,7 @@ class WeightPublisher(abc.ABC):
     address: str  # what subscribers connect to (the resolved endpoint)
 
     @abc.abstractmethod
-    def publish(self, version: int, state_dict: dict) -> None:
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         """Snapshot ``state_dict`` as ``version`` (strictly increasing) and send it in the background."""
 
     @abc.abstractmethod

@@ -13,9 +13,13 @@ import threading
 import uuid
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from asyncrl.weights.base import VerifyingSubscriber, WeightPublisher
 from asyncrl.weights.wire import seal, snapshot
+
+if TYPE_CHECKING:
+    import torch
 
 # Messages a subscriber's inbox holds, like the ZeroMQ receive HWM; older ones fall out.
 _INBOX = 2
@@ -87,7 +91,7 @@ class MemoryWeightPublisher(WeightPublisher):
         self._closed = False
         self._versions = 0
 
-    def publish(self, version: int, state_dict: dict) -> None:
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         if self._closed:
             raise RuntimeError("publish on a closed weight publisher")
         if self._last_version is not None and version <= self._last_version:

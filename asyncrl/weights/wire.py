@@ -92,7 +92,7 @@ class Snapshot:
     created_at: float
 
 
-_POOL: ThreadPoolExecutor | None = None
+_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool): a forked child makes its own
 _POOL_LOCK = threading.Lock()
 
 
@@ -101,11 +101,10 @@ def _hash_pool() -> ThreadPoolExecutor:
     whole-state checksum run in parallel (publish->receive of 100 MB is mostly hashing)."""
     global _POOL
     with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(
-                max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="weights-hash"
-            )
-        return _POOL
+        if _POOL is None or _POOL[0] != os.getpid():
+            workers = min(4, os.cpu_count() or 1)
+            _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weights-hash"))
+        return _POOL[1]
 
 
 def _bucket_checksum(buf) -> str:

@@ -14,7 +14,9 @@ subscriber with NOBLOCK under a small SNDHWM and ROUTER_MANDATORY: a full pipe (
 subscriber) drops that send and retries the newest version every ``_RETRY_MS``; an unknown peer
 (gone) is forgotten. Nothing the thread does can block on a subscriber, and since bucket frames
 are zero-copy and shared by all sends, a version's memory exists once however many subscribers
-hold it. A subscriber that says hello gets the newest version at once.
+hold it. A subscriber that says hello gets the newest version at once. ``close`` returns at once;
+a version still being written to a slow subscriber finishes (or is dropped when that peer
+leaves) in ZeroMQ's background thread (see ``_context`` for why the linger is infinite).
 
 Subscribers re-send hello after ``rehello_s`` without traffic, so a restarted publisher at the
 same address learns about them. A routing id (one per connection) that was already sent the newest
@@ -29,12 +31,16 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgpack
 import zmq
 
 from asyncrl.weights.base import VerifyingSubscriber, WeightPublisher, log
 from asyncrl.weights.wire import Snapshot, seal, snapshot
+
+if TYPE_CHECKING:
+    import torch
 
 # Messages queued per subscriber pipe: one being written plus the next; more would only hold
 # memory for versions that a newer one supersedes anyway.
@@ -43,6 +49,23 @@ _HWM = 2
 _RETRY_MS = 20
 # Housekeeping tick of the publisher thread when nothing is pending.
 _IDLE_MS = 500
+
+_CONTEXT: tuple[int, zmq.Context] | None = None  # (pid, context): a forked child makes its own
+
+
+def _context() -> zmq.Context:
+    """The bus's own ZeroMQ context, never terminated (nothing may block on it at exit).
+
+    The ROUTER closes with infinite linger, which is only safe on a context nobody terminates:
+    libzmq 4.3.5 aborts the process ("Resource temporarily unavailable (src/session_base.cpp:233)")
+    when a socket closed with a finite linger still has a half-written multipart message to a peer
+    (a slow generator mid-version) and that peer disconnects during the close. With infinite
+    linger the half-sent version stays readable until it is written or the peer goes away.
+    """
+    global _CONTEXT
+    if _CONTEXT is None or _CONTEXT[0] != os.getpid():
+        _CONTEXT = (os.getpid(), zmq.Context())
+    return _CONTEXT[1]
 
 
 @dataclass
@@ -54,11 +77,10 @@ class _Peer:
 class ZmqWeightPublisher(WeightPublisher):
     def __init__(self, address: str = "tcp://127.0.0.1:*", bucket_bytes: int = 64 << 20) -> None:
         self.bucket_bytes = bucket_bytes
-        self._ctx = zmq.Context.instance()
-        sock = self._ctx.socket(zmq.ROUTER)
+        sock = _context().socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, _HWM)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.LINGER, -1)  # see _context: a finite linger can abort the process
         sock.bind(address)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock  # from here on only the thread touches it
@@ -72,12 +94,12 @@ class ZmqWeightPublisher(WeightPublisher):
         # Thread state.
         self._peers: dict[bytes, _Peer] = {}
         self._newest: tuple[int, list] | None = None
-        self._stats = {"versions": 0, "sends": 0, "full": 0}
+        self._stats = {"versions": 0, "sends": 0, "deferred": 0}
         self._thread = threading.Thread(target=self._run, name="weights-publisher", daemon=True)
         self._thread.start()
 
     # --- caller side ---------------------------------------------------------------------------
-    def publish(self, version: int, state_dict: dict) -> None:
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         if self._closing:
             raise RuntimeError("publish on a closed weight publisher")
         if self._last_version is not None and version <= self._last_version:
@@ -96,8 +118,8 @@ class ZmqWeightPublisher(WeightPublisher):
             return
         self._closing = True
         self._wake()
-        self._thread.join(timeout=5)
-        self._sock.close(linger=0)
+        self._thread.join()  # bounded: every wait in the loop is a poll timeout of at most _IDLE_MS
+        self._sock.close()  # returns at once; lingering sends end when written or the peer leaves
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -135,7 +157,7 @@ class ZmqWeightPublisher(WeightPublisher):
     def _take_pending(self) -> None:
         with self._lock:
             snap, self._pending = self._pending, None
-        if snap is None:
+        if snap is None or self._closing:
             return
         frames = seal(snap)
         # Bucket frames wrap the snapshot's arrays without copying; every send shares them.
@@ -160,11 +182,11 @@ class ZmqWeightPublisher(WeightPublisher):
                 continue
             if kind == b"bye":
                 self._peers.pop(ident, None)
-                log.debug("weights: subscriber %s left", name)
+                log.info("weights: subscriber %s left", name)
                 continue
             peer = self._peers.get(ident)
             if peer is None:
-                log.debug("weights: subscriber %s joined (has version %d)", name, have)
+                log.info("weights: subscriber %s joined (has version %d)", name, have)
                 self._peers[ident] = _Peer(name, have)
             else:
                 peer.sent = max(peer.sent, have)
@@ -179,7 +201,7 @@ class ZmqWeightPublisher(WeightPublisher):
             try:
                 self._sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                self._stats["full"] += 1  # pipe full: retried on the next tick, newest version only
+                self._stats["deferred"] += 1  # queue full: retried next tick, newest version only
                 continue
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
@@ -196,7 +218,7 @@ class ZmqWeightSubscriber(VerifyingSubscriber):
         super().__init__(subscriber_id, have)
         self.address = address
         self.rehello_s = rehello_s
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock = _context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
         self._sock.setsockopt(zmq.SNDHWM, 16)
         self._sock.setsockopt(zmq.LINGER, 200)  # lets "bye" leave after close
