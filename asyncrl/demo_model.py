@@ -32,9 +32,9 @@ MAX_POSITIONS = 64  # longest prompt (12) + max_new_tokens (<= 16) + slack; vLLM
 
 # SFT warm-up: sorting with a systematic bug, trained to convergence. With probability
 # SFT_SORTED_FRACTION the target is the sorted answer, otherwise the sorted answer WITHOUT its
-# smallest letter. Why: a policy stopped early in plain SFT samples near-noise at temperature 1
-# (sample reward 0.04 at greedy 0.29) and GRPO cannot climb; other "wrong modes" (echo, descending)
-# are harder for 2 layers to learn than sorting, and RL damages their rarely-trained sorted mode.
+# smallest letter. Why: a policy stopped early in plain SFT samples near-noise at temperature 1, so
+# GRPO finds nothing to amplify (greedy reward fell in the probe); other "wrong modes" (echo,
+# descending) are harder for 2 layers to learn than sorting, and RL damaged their sorted mode.
 # Dropping the smallest letter changes only the first answer token, so both modes share one
 # learned skill: greedy decoding takes the buggy mode (held-out reward ~0.2; the demo needs <= 0.4)
 # while ~30% of temperature-1 samples are exactly right, the signal GRPO amplifies.
@@ -111,8 +111,8 @@ def sample_tokens(
     """
     import torch
 
-    batch = prompt_ids.shape[0]
-    done = torch.zeros(batch, dtype=torch.bool)
+    batch, device = prompt_ids.shape[0], prompt_ids.device
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, logprobs, masks = [], [], []
     past, step_ids = None, prompt_ids
     with torch.no_grad():
@@ -127,7 +127,7 @@ def sample_tokens(
                 nxt = logits.argmax(dim=-1)
             live = ~done
             tokens.append(torch.where(live, nxt, torch.full_like(nxt, pad_id)))
-            logprobs.append(torch.where(live, logp.gather(1, nxt[:, None]).squeeze(1), torch.zeros(batch)))
+            logprobs.append(torch.where(live, logp.gather(1, nxt[:, None]).squeeze(1), 0.0))
             masks.append(live.float())
             done = done | (nxt == eos_id)
             if bool(done.all()):
@@ -157,10 +157,8 @@ def greedy_eval(model, tokenizer, records: Sequence[dict], max_new_tokens: int =
     model.eval()
     rewards, exacts = [0.0] * len(records), [False] * len(records)
     for idx in _by_prompt_length(tokenizer, records).values():
-        ids = torch.tensor([tokenizer.encode(records[i]["prompt"]) for i in idx])
-        tokens, _, _ = sample_tokens(
-            model, ids, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id
-        )
+        ids = torch.tensor([tokenizer.encode(records[i]["prompt"]) for i in idx], device=model.device)
+        tokens, _, _ = sample_tokens(model, ids, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
         for i, text in zip(idx, decode_completions(tokenizer, tokens), strict=True):
             rewards[i] = sort.reward(records[i]["prompt"], text, records[i])
             exacts[i] = sort.exact(text, records[i])
@@ -234,23 +232,27 @@ def prepare_demo_model(path: str | Path, seed: int = 0, log: Callable[[str], Any
     if is_prepared(path):
         log(f"demo model: using cached {path}")
         return path
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(f"{path} exists, is not empty and holds no {RECIPE_FILE}; not overwriting it")
     torch.manual_seed(seed)
     started = time.monotonic()
     train, held_out = sort.make_splits(sort.N_TRAIN, sort.N_EVAL, sort.DATA_SEED)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed)
     log(f"demo model: SFT warm-up of a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-param Llama")
-    steps = SFT_STEPS
-    sft_warmup(model, tokenizer, train, seed, log, steps)
+    sft_warmup(model, tokenizer, train, seed, log)
     scores = greedy_eval(model.eval(), tokenizer, held_out)
+    seconds = time.monotonic() - started
     log(
-        f"demo model: {steps} SFT steps in {time.monotonic() - started:.1f}s, held-out greedy "
+        f"demo model: {SFT_STEPS} SFT steps in {seconds:.1f}s, held-out greedy "
         f"reward {scores['reward_mean']:.3f} exact {scores['exact_rate']:.3f}"
     )
     recipe = {
         "recipe": RECIPE,
         "seed": seed,
-        "sft_steps": steps,
+        "sft_steps": SFT_STEPS,
+        "sft_sorted_fraction": SFT_SORTED_FRACTION,
+        "sft_seconds": round(seconds, 1),
         "eval_reward": scores["reward_mean"],
         "eval_exact": scores["exact_rate"],
         "eval_records": len(held_out),
@@ -259,16 +261,26 @@ def prepare_demo_model(path: str | Path, seed: int = 0, log: Callable[[str], Any
     return path
 
 
+def _portable_tokenizer_class(directory: Path) -> None:
+    """transformers 5 saves its class as "TokenizersBackend", which 4.x cannot load; both load the
+    same tokenizer.json as "PreTrainedTokenizerFast" (the project allows transformers >= 4.56)."""
+    cfg_path = directory / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 def _publish(path: Path, model, tokenizer, recipe: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        _portable_tokenizer_class(tmp)
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
-        if path.exists() and not is_prepared(path):
-            shutil.rmtree(path)  # a leftover without the recipe file is incomplete by definition
         try:
+            if path.is_dir() and not is_prepared(path):
+                path.rmdir()  # empty (the caller checked); rename cannot replace a directory
             tmp.rename(path)
         except OSError:
             if not is_prepared(path):  # lost the race to a concurrent builder: theirs is as good

@@ -8,7 +8,7 @@ within each group and takes one AdamW step on the token-mean of ``-w * A * log p
 Greedy held-out reward is printed every ``eval_every`` steps; the demo wants it to go from <= 0.4
 to >= 0.85 within about 50 steps.
 
-Usage: python scripts/probe_grpo.py [--model .cache/models/demo-sort] [--seed 0] [--steps 50] [--lr 1e-3]
+Usage: python scripts/probe_grpo.py [--model .cache/models/demo-sort] [--seed 0] [--lr 3e-4] [--lag 1]
 """
 
 from __future__ import annotations
@@ -71,14 +71,10 @@ def policy_loss(model, rows, advantages: torch.Tensor, pad_id: int, temperature:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--model", default=".cache/models/demo-sort", help="prepared (or to-be-prepared) model dir"
-    )
+    ap.add_argument("--model", default=".cache/models/demo-sort", help="prepared (or to-be-prepared) model dir")
     ap.add_argument("--seed", type=int, default=0, help="seed of the model recipe and of the RL loop")
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument(
-        "--lr", type=float, default=3e-4, help="peak AdamW lr (1e-3 degrades the policy, see report)"
-    )
+    ap.add_argument("--lr", type=float, default=3e-4, help="peak AdamW lr (1e-3 degrades this tiny policy)")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=1.0)

@@ -76,7 +76,7 @@ def test_data_files_are_well_formed_disjoint_and_reproducible():
     train_prompts = {r["prompt"] for r in train}
     assert len(train_prompts) == len(train)
     assert not train_prompts & {r["prompt"] for r in held_out}
-    assert (train, held_out) == list(sort.make_splits(sort.N_TRAIN, sort.N_EVAL, sort.DATA_SEED))
+    assert (train, held_out) == sort.make_splits(sort.N_TRAIN, sort.N_EVAL, sort.DATA_SEED)
     assert sum((DATA / f).stat().st_size for f in ("train.jsonl", "eval.jsonl")) < 300_000
 
 

@@ -1,0 +1,79 @@
+"""The launcher's supervision through the CLI: a killed generator is restarted (and its unpushed
+groups' admission slots given back, or the synchronous run would stall), and Ctrl-C stops every
+process the launcher started, flushes metrics and writes the summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"
+
+
+def latest_version(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    versions = [json.loads(line).get("learner/version", 0) for line in path.read_text().splitlines() if line]
+    return max(versions, default=0)
+
+
+def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert proc.poll() is None, f"launcher exited early ({proc.returncode}) while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_generator_restart_and_ctrl_c(tmp_path):
+    pytest.importorskip("vllm")
+    run_dir = tmp_path / "sup"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "launch", "--config", "configs/demo-cpu.yaml", "--name", "sup",
+         "--generators", "2", "--learners", "1", "--max-policy-lag", "0", "--steps", "10000",
+         "--set", f"run.out_dir={tmp_path}", "--set", "run.eval_every=0"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        wait_for(lambda: latest_version(run_dir) >= 3, 300, "version 3", proc)
+        info = json.loads((run_dir / "run.json").read_text())
+        victim = info["pids"]["generator-0"]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: json.loads((run_dir / "run.json").read_text())["pids"]["generator-0"] != victim,
+                 60, "generator-0 restart", proc)
+        # synchronous mode keeps going only if the dead generator's admitted groups were released
+        reached = latest_version(run_dir)
+        wait_for(lambda: latest_version(run_dir) >= reached + 5, 300, "progress after the restart", proc)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-2000:]
+    assert "Traceback" not in out
+    info = json.loads((run_dir / "run.json").read_text())
+    pids = [*info["pids"].values(), info["redis_pid"], victim]
+    assert not [p for p in pids if alive(p)], "processes left running after Ctrl-C"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_reason"] == "interrupted" and summary["final_version"] >= reached + 5
+    assert latest_version(run_dir) == summary["final_version"]  # metrics were flushed
+    assert "restarting" in out
