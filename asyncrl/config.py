@@ -36,6 +36,12 @@ class RunConfig(_Section):
     )
     max_generator_restarts: int = Field(3, ge=0, description="Restarts of crashed generators before the run fails.")
     timeout_s: float = Field(3600.0, gt=0, description="Wall-clock limit of the whole run.")
+    cpu_scheduling: bool = Field(
+        True,
+        description="On CPU-only machines pin learner rank r and generator r to core r and run generators at "
+        "generator_nice, so learner collectives never wait behind sampling (the learner is the critical path).",
+    )
+    generator_nice: int = Field(10, ge=0, le=19, description="Niceness of generators under cpu_scheduling.")
     overwrite: bool = Field(
         True, description="Reuse an existing run directory of the same name (its files are replaced)."
     )
@@ -89,7 +95,7 @@ class GeneratorConfig(_Section):
 class LearnerConfig(_Section):
     groups_per_step: int = Field(8, ge=1, description="B: trajectory groups per optimizer step, summed over ranks.")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
-    lr: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (AdamW).")
     lr_final_ratio: float = Field(
         0.1, ge=0, le=1, description="Cosine decay to lr * this at the last step (a constant high lr oscillates late)."
     )

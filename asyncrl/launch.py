@@ -42,11 +42,26 @@ class Child:
     proc: subprocess.Popen | None = None
     incarnation: int = 0
 
+    nice: int = 0
+    cpus: set[int] | None = None
+
+    def _preexec(self) -> None:
+        if self.nice:
+            os.nice(self.nice)
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)
+
     def start(self) -> None:
         log = self.log_path.open("ab")
         cmd = [*self.cmd, "--incarnation", str(self.incarnation)] if self.role == "generator" else self.cmd
         self.proc = subprocess.Popen(
-            cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            cmd,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=self._preexec,
         )
         log.close()
 
@@ -101,6 +116,11 @@ def ensure_model(cfg: Config, log=print) -> None:
     prepare_demo_model(path, seed=cfg.run.seed, log=log)
 
 
+def _has_cuda() -> bool:
+    """Without importing torch (slow): a CUDA driver exposes /proc/driver/nvidia."""
+    return os.path.exists("/proc/driver/nvidia/version")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -144,10 +164,19 @@ class Launcher:
         env.update(ASYNCRL_REDIS_URL=url, ASYNCRL_PREFIX=prefix, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         return env
 
+    @property
+    def pin_cpus(self) -> bool:
+        return self.cfg.run.cpu_scheduling and not _has_cuda()
+
+    @property
+    def generator_nice(self) -> int:
+        return self.cfg.run.generator_nice if self.pin_cpus else 0
+
     def spawn(self, config_path: Path, url: str, prefix: str) -> None:
         cfg, logs = self.cfg, self.run_dir / "logs"
         base = self.child_env(url, prefix)
         master_port = str(_free_port())
+        ncpu = os.cpu_count() or 1
         for rank in range(cfg.run.learners):
             env = dict(
                 base,
@@ -168,8 +197,8 @@ class Launcher:
                 "--log-file",
                 str(log_path),
             ]
-            self.children.append(Child("learner", rank, cmd, env, log_path))
-        ncpu = os.cpu_count() or 1
+            pin = {rank % ncpu} if self.pin_cpus else None
+            self.children.append(Child("learner", rank, cmd, env, log_path, cpus=pin))
         for i in range(cfg.run.generators):
             # vLLM's CPU backend pins OpenMP threads; one core each keeps generators off each other
             env = dict(
@@ -190,7 +219,7 @@ class Launcher:
                 "--log-file",
                 str(log_path),
             ]
-            self.children.append(Child("generator", i, cmd, env, log_path))
+            self.children.append(Child("generator", i, cmd, env, log_path, nice=self.generator_nice))
         for child in self.children:
             child.start()
 
@@ -288,6 +317,7 @@ class Launcher:
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
+            previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
             self.stop_children(control, reason)
             if control is not None:
                 self.stats.drain(control)
@@ -296,6 +326,7 @@ class Launcher:
                 self.buffer.close()
             if self.redis is not None:
                 self.redis.stop()
+            signal.signal(signal.SIGINT, previous_int)
         return code
 
     def supervise(self, control: RunControl) -> tuple[str, int]:

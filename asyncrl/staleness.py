@@ -41,3 +41,16 @@ def may_start_group(serving_version: int, live_started: int, max_policy_lag: int
     (a dropped group gives its slot back, or a learner that needs fresh groups could wait forever).
     """
     return live_started < admission_limit(serving_version, max_policy_lag, groups_per_step)
+
+
+def claim_share(open_slots: int, generators: int, groups_in_flight: int) -> int:
+    """How many groups one generator claims for its next engine call.
+
+    Its fair share of the admission slots open now, so that with ``k = 0`` the ``B`` groups of a
+    step are spread over all generators instead of queueing behind the first, and at most
+    ``groups_in_flight``. With ``k > 0`` more slots are open, so each engine call gets a bigger
+    batch: one of the ways bounded asynchrony pays.
+    """
+    if open_slots <= 0:
+        return 0
+    return max(1, min(groups_in_flight, -(-open_slots // max(1, generators))))

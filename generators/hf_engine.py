@@ -12,7 +12,8 @@ from asyncrl.generators.engine import Completion, Engine, Sampling
 class HfEngine(Engine):
     def __init__(self, cfg: Config, seed: int):
         self.dtype = getattr(torch, cfg.model.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=self.dtype).eval()
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=self.dtype).eval().to(self.device)
         tok = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = tok.pad_token_id
         self.eos_id = tok.eos_token_id
@@ -28,7 +29,8 @@ class HfEngine(Engine):
         for i, p in enumerate(flat):
             ids[i, width - len(p) :] = torch.tensor(p)
             attn[i, width - len(p) :] = 1
-        done = torch.zeros(len(flat), dtype=torch.bool)
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        done = torch.zeros(len(flat), dtype=torch.bool, device=self.device)
         out_tokens: list[list[int]] = [[] for _ in flat]
         out_lps: list[list[float]] = [[] for _ in flat]
         past = None
@@ -43,7 +45,7 @@ class HfEngine(Engine):
                 lp = torch.log_softmax(logits, -1)
             else:
                 lp = torch.log_softmax(logits / sampling.temperature, -1)
-                nxt = torch.multinomial(lp.exp(), 1, generator=self.generator)[:, 0]
+                nxt = torch.multinomial(lp.exp().cpu(), 1, generator=self.generator)[:, 0].to(self.device)
             for i in torch.nonzero(~done)[:, 0].tolist():
                 out_tokens[i].append(int(nxt[i]))
                 out_lps[i].append(float(lp[i, nxt[i]]))
@@ -59,4 +61,4 @@ class HfEngine(Engine):
         return [comps[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompts))]
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict({k: v.to(self.dtype) for k, v in tensors.items()}, strict=False)
+        self.model.load_state_dict({k: v.to(self.device, self.dtype) for k, v in tensors.items()})

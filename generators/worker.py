@@ -29,6 +29,7 @@ from asyncrl.generators.engine import Engine, Sampling
 from asyncrl.generators.engine import setup as setup_engine
 from asyncrl.metrics import RedisSink, setup_logging
 from asyncrl.protocol import Sample, TrajectoryGroup, encode_group
+from asyncrl.staleness import admission_limit, claim_share
 from asyncrl.weights import setup_subscriber
 
 log = logging.getLogger("asyncrl.generator")
@@ -102,9 +103,15 @@ class Generator:
 
     def admit(self) -> list[int]:
         cfg = self.cfg
+        k, b = cfg.run.max_policy_lag, cfg.learner.groups_per_step
+        counts = self.buffer.stats()
+        live = counts["started"] - counts["dropped_stale"] - counts["abandoned"]
+        share = claim_share(
+            admission_limit(self.version, k, b) - live, cfg.run.generators, cfg.generator.groups_in_flight
+        )
         seqs = []
-        while len(seqs) < cfg.generator.groups_in_flight:
-            seq = self.buffer.try_start_group(self.version, cfg.run.max_policy_lag, cfg.learner.groups_per_step)
+        while len(seqs) < share:  # each claim is atomic; the share only spreads them
+            seq = self.buffer.try_start_group(self.version, k, b)
             if seq is None:
                 break
             seqs.append(seq)

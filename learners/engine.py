@@ -21,6 +21,8 @@ def init_distributed(cfg: Config) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
 
 

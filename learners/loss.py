@@ -69,9 +69,7 @@ class PolicyBatch:
             if got != shape:
                 raise ValueError(f"{name} has shape {got}, expected {shape} like logprobs")
         if tuple(self.advantages.shape) not in {shape, shape[:1]}:
-            raise ValueError(
-                f"advantages must be (B,) or (B, T) = {shape}, got {tuple(self.advantages.shape)}"
-            )
+            raise ValueError(f"advantages must be (B,) or (B, T) = {shape}, got {tuple(self.advantages.shape)}")
 
 
 @dataclass
@@ -209,9 +207,7 @@ def sequence_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> 
     return torch.gather(logp, dim=-1, index=targets).squeeze(-1)
 
 
-def pad_batch(
-    sequences: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], pad_id: int
-) -> dict[str, Tensor]:
+def pad_batch(sequences: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], pad_id: int) -> dict[str, Tensor]:
     """Right-pad (prompt_ids (P,), response_ids (T,), behaviour_logprobs (T,)) triples into tensors.
 
     Returns ``input_ids`` (B, L) int64 = prompt ++ response ++ pad, ``attention_mask`` (B, L) int64,

@@ -74,20 +74,26 @@ def make_batch(groups: list[TrajectoryGroup], cfg: Config, pad_id: int, version:
     return batch
 
 
+def _collective_device() -> torch.device:
+    """NCCL reduces only CUDA tensors; gloo only CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def global_sum(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=_collective_device())
     dist.all_reduce(t)
     return t.tolist()
 
 
 def global_max(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
 def train_step(engine, batch: dict, cfg: Config, world: int):
     """Forward, loss, backward, optimizer step. Returns the loss output and global token count."""
+    batch = {k: v.to(engine.device) for k, v in batch.items()}
     local_tokens = float(batch["response_mask"].sum())
     (total_tokens,) = global_sum([local_tokens])
     logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -15,7 +15,14 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.staleness import admission_limit, is_fresh, may_start_group, staleness, trajectory_version
+from asyncrl.staleness import (
+    admission_limit,
+    claim_share,
+    is_fresh,
+    may_start_group,
+    staleness,
+    trajectory_version,
+)
 
 versions = st.integers(0, 1_000)
 lags = st.integers(0, 8)
@@ -206,3 +213,20 @@ def test_sync_mode_falls_out_of_the_same_rule(k, b, steps) -> None:
         while may_start_group(v, started, k, b):
             started += 1
         assert started == admission_limit(v, k, b)
+
+
+@given(st.integers(-50, 500), st.integers(1, 16), st.integers(1, 64))
+def test_claim_share_spreads_open_slots_and_respects_the_cap(open_slots, generators, cap) -> None:
+    share = claim_share(open_slots, generators, cap)
+    if open_slots <= 0:
+        assert share == 0
+        return
+    assert 1 <= share <= cap
+    # every generator taking its share covers what is open (unless capped), and none takes much more
+    assert share * generators >= min(open_slots, cap * generators)
+    assert share <= max(1, -(-open_slots // generators))
+
+
+def test_claim_share_in_sync_mode_splits_a_step_evenly() -> None:
+    # k = 0, B = 8, two generators at a fresh version: 8 slots open, 4 each
+    assert claim_share(admission_limit(5, 0, 8) - 5 * 8, generators=2, groups_in_flight=8) == 4

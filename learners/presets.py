@@ -1,0 +1,156 @@
+"""Algorithm presets: a name expands to the pieces (estimator, loss, aggregation, correction, KL) and
+their defaults, as a frozen dataclass. Switching algorithm = switching preset name; overriding one
+default = ``dataclasses.replace(get_preset("grpo"), kl_coef=0.0)``.
+
+Defaults follow each method's paper. For asynchronous training every clipped preset uses decoupled PPO
+(clip pi / pi_prox, weight min(pi_prox / mu, C)): clipping against a stale mu would zero the gradient
+of most tokens. GSPO instead anchors on mu (its sequence-level ratio tolerates the mismatch), and the
+unclipped RLOO relies on token TIS alone. ``required_inputs`` says what the learner must supply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncrl.errors import UserError
+from asyncrl.learners.advantages import AdvantageConfig, get_advantage
+from asyncrl.learners.corrections import CorrectionConfig, get_correction
+from asyncrl.learners.kl import get_kl_estimator
+from asyncrl.learners.loss import _lookup
+from asyncrl.learners.policy_losses import PolicyLossConfig, get_aggregation, get_policy_loss
+
+__all__ = ["KL_PLACEMENTS", "PRESETS", "Preset", "get_preset"]
+
+KL_PLACEMENTS = ("none", "reward", "loss")
+
+# What each piece needs from the learner beyond logprobs, behaviour_logprobs, mask, rewards and the
+# global token / sequence counts (which every preset needs).
+_ADVANTAGE_NEEDS = {
+    "gae": {"values", "old_values"},
+    "grpo": {"group_ids"},
+    "dr_grpo": {"group_ids"},
+    "rloo": {"group_ids"},
+    "reinforce_pp_baseline": {"group_ids"},
+}
+_CORRECTION_NEEDS = {"decoupled_ppo": {"prox_logprobs"}, "vtrace": {"values"}}
+_AGGREGATION_NEEDS = {"seq-mean-token-sum": {"max_len"}}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One algorithm as pieces from the registries; validated on construction (UserError)."""
+
+    name: str
+    advantage: str  # ADVANTAGES key
+    policy_loss: str  # POLICY_LOSSES key
+    aggregation: str  # AGGREGATIONS key, applied to the policy loss, the KL loss and the value loss
+    correction: str  # CORRECTIONS key
+    kl_placement: str = "none"  # "none" | "reward" (kl.kl_reward -> token_rewards) | "loss" (kl.kl_loss)
+    kl_estimator: str = "k1"  # KL_ESTIMATORS key
+    kl_coef: float = 0.0  # beta
+    value_clip: float | None = None  # PPO critic: eps_v of value_loss (gae presets only)
+    value_coef: float = 0.0  # weight of the critic loss added to the policy loss (gae presets only)
+    advantage_config: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss_config: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    correction_config: CorrectionConfig = field(default_factory=CorrectionConfig)
+
+    def __post_init__(self) -> None:
+        get_advantage(self.advantage)
+        get_policy_loss(self.policy_loss)
+        get_aggregation(self.aggregation)
+        get_correction(self.correction)
+        get_kl_estimator(self.kl_estimator)
+        if self.kl_placement not in KL_PLACEMENTS:
+            raise UserError(f"unknown KL placement {self.kl_placement!r}; known: {', '.join(KL_PLACEMENTS)}")
+        if self.kl_coef < 0:
+            raise UserError(f"kl_coef must be >= 0, got {self.kl_coef}")
+
+    @property
+    def uses_kl(self) -> bool:
+        """Whether a reference model is needed at all."""
+        return self.kl_placement != "none" and self.kl_coef > 0
+
+    @property
+    def needs_critic(self) -> bool:
+        return "values" in self.required_inputs
+
+    @property
+    def required_inputs(self) -> frozenset[str]:
+        """Inputs the learner must provide beyond logprobs, behaviour_logprobs, mask, rewards, counts."""
+        needs = set(_ADVANTAGE_NEEDS.get(self.advantage, ()))
+        needs |= _CORRECTION_NEEDS.get(self.correction, set())
+        needs |= _AGGREGATION_NEEDS.get(self.aggregation, set())
+        if self.uses_kl:
+            needs.add("ref_logprobs")
+        return frozenset(needs)
+
+
+def _clipped(name: str, advantage: str, aggregation: str, **kw) -> Preset:
+    return Preset(
+        name=name,
+        advantage=advantage,
+        policy_loss="ppo_clip",
+        aggregation=aggregation,
+        correction="decoupled_ppo",
+        **kw,
+    )
+
+
+PRESETS: dict[str, Preset] = {
+    # Ouyang et al. 2022 / OpenRLHF: GAE critic, k1 KL folded into the token reward, value clipping.
+    "ppo": _clipped(
+        "ppo",
+        "gae",
+        "token-mean",
+        kl_placement="reward",
+        kl_estimator="k1",
+        kl_coef=0.01,
+        value_clip=0.2,
+        value_coef=0.5,
+        advantage_config=AdvantageConfig(gamma=1.0, lam=0.95),
+    ),
+    # Shao et al. 2024: group-normalised outcome, per-sequence token mean, k3 KL loss with beta 0.04.
+    "grpo": _clipped("grpo", "grpo", "seq-mean-token-mean", kl_placement="loss", kl_estimator="k3", kl_coef=0.04),
+    # Liu et al. 2025: no std division, no per-sequence length division (constant L_max), no KL.
+    "dr_grpo": _clipped("dr_grpo", "dr_grpo", "seq-mean-token-sum"),
+    # Ahmadian et al. 2024: leave-one-out baseline, unclipped REINFORCE, KL folded into the reward.
+    "rloo": Preset(
+        name="rloo",
+        advantage="rloo",
+        policy_loss="policy_gradient",
+        aggregation="token-mean",
+        correction="tis",
+        kl_placement="reward",
+        kl_estimator="k1",
+        kl_coef=0.05,
+    ),
+    # Hu 2025: token-level k1 KL in the reward, batch-normalised returns, PPO clip.
+    "reinforce_pp": _clipped(
+        "reinforce_pp", "reinforce_pp", "token-mean", kl_placement="reward", kl_estimator="k1", kl_coef=0.01
+    ),
+    # Hu 2025 (baseline variant, outcome rewards): group-mean baseline then batch normalisation, k2 KL loss.
+    "reinforce_pp_baseline": _clipped(
+        "reinforce_pp_baseline",
+        "reinforce_pp_baseline",
+        "token-mean",
+        kl_placement="loss",
+        kl_estimator="k2",
+        kl_coef=0.001,
+    ),
+    # Yu et al. 2025: clip-higher (0.2 / 0.28), token-mean over the step, no KL.
+    "dapo": _clipped("dapo", "grpo", "token-mean", loss_config=PolicyLossConfig(clip_low=0.2, clip_high=0.28)),
+    # Zheng et al. 2025: sequence-level ratio, eps 3e-4 / 4e-4, anchored on mu, no KL.
+    "gspo": Preset(
+        name="gspo",
+        advantage="grpo",
+        policy_loss="gspo",
+        aggregation="seq-mean-token-mean",
+        correction="none",
+        loss_config=PolicyLossConfig(clip_low=3e-4, clip_high=4e-4),
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset registered under ``name`` (``PRESETS``); UserError listing known names if none."""
+    return _lookup(PRESETS, "preset", name)
