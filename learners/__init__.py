@@ -3,4 +3,9 @@
 ``asyncrl.learners.loss`` holds the maths (advantages, the GRPO loss with truncated importance
 sampling, padding and token log-probs) as pure torch functions. Nothing heavy is imported here, so
 ``import asyncrl.learners`` stays cheap; DeepSpeed is imported only by the learner process itself.
+
+The algorithm pieces users switch between, each a registry of pure functions with slow-reference tests
+(docs/algorithms.md): ``advantages`` (ADVANTAGES), ``policy_losses`` (POLICY_LOSSES, AGGREGATIONS and the
+PPO critic loss), ``kl`` (KL_ESTIMATORS), ``corrections`` (CORRECTIONS) and ``presets`` (PRESETS: a name
+expanding to one piece of each kind plus defaults).
 """

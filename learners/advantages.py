@@ -12,6 +12,8 @@ Invariants shared by every estimator:
   (terminal: the value there is 0).
 * Outputs are constants (computed under ``no_grad``) and are exactly 0 off the response, whatever
   junk the padded slots of the inputs hold.
+* Group estimators (grpo, dr_grpo, rloo) score a sequence as S_i = R_i + sum_t token_rewards_{i,t}: a
+  KL penalty in the reward is folded in at sequence level (RLOO's treatment) before the baseline.
 * Group statistics use the POPULATION std (defined for a group of one), and groups may be ragged
   (a failed sample leaves its group smaller). A group whose rewards are all equal gets A = 0.
 * Batch normalisation (REINFORCE++) is over every response token of the optimizer step. With several

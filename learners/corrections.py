@@ -124,7 +124,16 @@ def _log_rho(inp: CorrectionInput) -> tuple[Tensor, Tensor, Tensor]:
     return on, log_rho, anchor
 
 
-def _output(inp, weights, affected, ratio, ratio_valid, log_rho, anchor, **extra) -> CorrectionOutput:
+def _output(
+    inp: CorrectionInput,
+    weights: Tensor,  # (B, T)
+    affected: Tensor,  # (B, T) bool: truncated or rejected
+    ratio: Tensor,  # (B, T) per token, or (B,) per sequence: the raw ratio the correction tests
+    ratio_valid: Tensor,  # bool, shaped like ratio: which entries are real (response tokens / non-empty rows)
+    log_rho: Tensor,  # (B, T)
+    anchor: Tensor,  # (B, T)
+    **extra: Tensor,
+) -> CorrectionOutput:
     mask = inp.mask.to(log_rho.dtype)
     n = float(mask.sum())
     valid = ratio[ratio_valid]

@@ -83,7 +83,7 @@ def kl_penalty(inp: KLInput, estimator: str) -> Tensor:
     """Per-token estimate k_t of KL(pi_theta || pi_ref), with gradient, 0 off the response. (B, T)."""
     on = inp.mask > 0
     lp = inp.logprobs
-    log_r = torch.where(on, torch.where(on, inp.ref_logprobs.to(lp.dtype), 0.0) - lp, 0.0)
+    log_r = torch.where(on, inp.ref_logprobs.to(lp.dtype) - lp, 0.0)
     return torch.where(on, get_kl_estimator(estimator)(log_r), 0.0)
 
 

@@ -126,7 +126,7 @@ def _prepare(inp: PolicyLossInput) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     on = inp.mask > 0
     adv = inp.advantages.to(lp.dtype)
     adv = torch.where(on, adv[:, None] if adv.dim() == 1 else adv, 0.0)
-    log_ratio = torch.where(on, lp - torch.where(on, inp.old_logprobs.to(lp.dtype), 0.0), 0.0)
+    log_ratio = torch.where(on, lp - inp.old_logprobs.to(lp.dtype), 0.0)  # where's backward gives 0, not NaN
     w = on.to(lp.dtype) if inp.weights is None else torch.where(on, inp.weights.to(lp.dtype), 0.0)
     return on, log_ratio, adv, w
 
@@ -148,7 +148,9 @@ def _clipped_surrogate(ratio: Tensor, adv: Tensor, cfg: PolicyLossConfig) -> tup
     return loss, clipped_branch & ~dual, dual
 
 
-def _output(token_loss: Tensor, inp: PolicyLossInput, ratio: Tensor, log_ratio: Tensor, clip: Tensor, dual: Tensor):
+def _output(
+    token_loss: Tensor, inp: PolicyLossInput, ratio: Tensor, log_ratio: Tensor, clip: Tensor, dual: Tensor
+) -> PolicyLossOutput:
     with torch.no_grad():
         mask = inp.mask.to(token_loss.dtype)
         n = float(mask.sum())
@@ -268,7 +270,7 @@ def value_loss(inp: ValueLossInput, clip: float | None) -> ValueLossOutput:
         old = torch.where(on, inp.old_values.to(values.dtype), 0.0)
         v_clip = old + torch.clamp(values - old, -_positive(clip, "value clip"), clip)
         clipped_sq = (v_clip - returns) ** 2
-        loss, clipped = torch.minimum(unclipped, clipped_sq), clipped_sq > unclipped
+        loss, clipped = torch.maximum(unclipped, clipped_sq), clipped_sq > unclipped
     token_loss = torch.where(on, 0.5 * loss, 0.0)
     mask = inp.mask.to(values.dtype)
     n = float(mask.sum())

@@ -7,6 +7,7 @@ the staleness bound held, and the held-out reward moved up.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,24 @@ def test_async_demo_learns_and_keeps_the_lag_bound(tmp_path):
     ]
     assert mismatch and max(mismatch) < 0.01
     assert (run_dir / "checkpoint").is_dir() and (run_dir / "logs" / "generator-1.log").is_file()
+    # the export loads in vLLM too (own process: one vLLM engine per process)
+    code = (
+        "import sys; from vllm import LLM, SamplingParams; "
+        "llm = LLM(model=sys.argv[1], dtype='float32', enforce_eager=True, max_model_len=64); "
+        "print('OUT', llm.generate(['sort:dcba='], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text)"
+    )
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(run_dir / "export")], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(run_dir / "export")
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "export")
+    ids = tok("sort:dcba=", return_tensors="pt").input_ids
+    hf = tok.decode(model.generate(ids, do_sample=False, max_new_tokens=8)[0, ids.shape[1] :], skip_special_tokens=True)
+    assert f"OUT {hf}\n" in out.stdout, (hf, out.stdout[-500:])
 
 
 def test_sync_mode_never_trains_on_stale_data(tmp_path):

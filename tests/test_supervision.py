@@ -48,18 +48,44 @@ def test_generator_restart_and_ctrl_c(tmp_path):
     pytest.importorskip("vllm")
     run_dir = tmp_path / "sup"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "launch", "--config", "configs/demo-cpu.yaml", "--name", "sup",
-         "--generators", "2", "--learners", "1", "--max-policy-lag", "0", "--steps", "10000",
-         "--set", f"run.out_dir={tmp_path}", "--set", "run.eval_every=0"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "launch",
+            "--config",
+            "configs/demo-cpu.yaml",
+            "--name",
+            "sup",
+            "--generators",
+            "2",
+            "--learners",
+            "1",
+            "--max-policy-lag",
+            "0",
+            "--steps",
+            "10000",
+            "--set",
+            f"run.out_dir={tmp_path}",
+            "--set",
+            "run.eval_every=0",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         wait_for(lambda: latest_version(run_dir) >= 3, 300, "version 3", proc)
         info = json.loads((run_dir / "run.json").read_text())
         victim = info["pids"]["generator-0"]
         os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: json.loads((run_dir / "run.json").read_text())["pids"]["generator-0"] != victim,
-                 60, "generator-0 restart", proc)
+        wait_for(
+            lambda: json.loads((run_dir / "run.json").read_text())["pids"]["generator-0"] != victim,
+            60,
+            "generator-0 restart",
+            proc,
+        )
         # synchronous mode keeps going only if the dead generator's admitted groups were released
         reached = latest_version(run_dir)
         wait_for(lambda: latest_version(run_dir) >= reached + 5, 300, "progress after the restart", proc)
@@ -77,3 +103,48 @@ def test_generator_restart_and_ctrl_c(tmp_path):
     assert summary["exit_reason"] == "interrupted" and summary["final_version"] >= reached + 5
     assert latest_version(run_dir) == summary["final_version"]  # metrics were flushed
     assert "restarting" in out
+
+
+def test_a_dead_learner_stops_the_run_with_a_clear_error(tmp_path):
+    pytest.importorskip("vllm")
+    run_dir = tmp_path / "dead-learner"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "launch",
+            "--config",
+            "configs/demo-cpu.yaml",
+            "--name",
+            "dead-learner",
+            "--generators",
+            "1",
+            "--learners",
+            "2",
+            "--steps",
+            "10000",
+            "--set",
+            f"run.out_dir={tmp_path}",
+            "--set",
+            "run.eval_every=0",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: latest_version(run_dir) >= 1, 300, "version 1", proc)
+        info = json.loads((run_dir / "run.json").read_text())
+        os.kill(info["pids"]["learner-1"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode not in (0, None)
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[0].startswith("asyncrl: error: learner-1 exited with code -9"), err[-2000:]
+    pids = [*info["pids"].values(), info["redis_pid"]]
+    assert not [p for p in pids if alive(p)], "processes left running after a learner died"
+    assert json.loads((run_dir / "summary.json").read_text())["exit_reason"] == "failed"
