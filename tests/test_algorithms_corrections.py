@@ -244,8 +244,9 @@ def test_vtrace_on_policy_is_the_monte_carlo_return_and_gae_lambda_one(case, gam
     mask = torch.tensor(b["mask"])
     rewards = torch.tensor(np.nan_to_num(b["rewards"]))
     ret = get_advantage("gae")(
-        AdvantageInput(torch.zeros(len(mask), dtype=torch.float64), mask, token_rewards=rewards,
-                       values=torch.tensor(b["values"])),
+        AdvantageInput(
+            torch.zeros(len(mask), dtype=torch.float64), mask, token_rewards=rewards, values=torch.tensor(b["values"])
+        ),
         AdvantageConfig(gamma=gamma, lam=1.0),
     ).returns
     assert torch.allclose(out.value_targets, ret, rtol=TOL, atol=TOL)
@@ -268,9 +269,7 @@ def test_tis_pg_and_one_step_decoupled_ppo_equal_the_existing_grpo_tis_loss(case
     for correction, loss_name in (("tis", "policy_gradient"), ("decoupled_ppo", "ppo_clip")):
         lp = torch.tensor(b["logp"], requires_grad=True)
         prox = lp.detach() if correction == "decoupled_ppo" else None
-        corr = get_correction(correction)(
-            CorrectionInput(lp, torch.tensor(b["mu"]), mask, prox_logprobs=prox), cfg
-        )
+        corr = get_correction(correction)(CorrectionInput(lp, torch.tensor(b["mu"]), mask, prox_logprobs=prox), cfg)
         inp = PolicyLossInput(lp, corr.old_logprobs, torch.tensor(adv), mask, corr.weights)
         loss = aggregate("token-mean", get_policy_loss(loss_name)(inp, PolicyLossConfig()).token_loss, mask, counts)
         loss.backward()

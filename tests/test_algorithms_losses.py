@@ -244,8 +244,12 @@ def test_split_batch_gives_full_batch_loss_and_gradient(name, b, agg, data):
 @given(b=policy_batches())
 def test_gspo_token_form_is_sequence_gspo(b):
     """Sequence advantages, w = 1, seq-mean-token-mean: the paper's sequence-level objective and gradient."""
-    b = dict(b, adv=b["adv"] if not b["per_token"] else np.nanmax(np.nan_to_num(b["adv"], nan=-9), axis=1),
-             per_token=False, weights=None)
+    b = dict(
+        b,
+        adv=b["adv"] if not b["per_token"] else np.nanmax(np.nan_to_num(b["adv"], nan=-9), axis=1),
+        per_token=False,
+        weights=None,
+    )
     lp, inp = make_input(b)
     cfg, counts = b["cfg"], b["counts"]
     loss = aggregate("seq-mean-token-mean", get_policy_loss("gspo")(inp, cfg).token_loss, inp.mask, counts)
@@ -311,8 +315,12 @@ def test_value_loss_with_clipping_matches_loop(shape, eps_v, agg, data):
     counts = LossCounts(float(mask.sum()) or 1.0, float(shape[0]), float(shape[1]))
     v = torch.tensor(values, requires_grad=True)
     out = value_loss(
-        ValueLossInput(v, torch.tensor(np.where(mask > 0, old, NAN)), torch.tensor(np.where(mask > 0, returns, NAN)),
-                       torch.tensor(mask)),
+        ValueLossInput(
+            v,
+            torch.tensor(np.where(mask > 0, old, NAN)),
+            torch.tensor(np.where(mask > 0, returns, NAN)),
+            torch.tensor(mask),
+        ),
         clip=eps_v,
     )
     aggregate(agg, out.token_loss, torch.tensor(mask), counts).backward()

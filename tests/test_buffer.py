@@ -42,11 +42,7 @@ class Backend:
         self._open: list[Buffer] = []
 
     def fresh(self) -> Buffer:
-        buf = (
-            MemoryBuffer()
-            if self.kind == "memory"
-            else RedisBuffer(self.url, f"test:{{{uuid.uuid4().hex}}}:")
-        )
+        buf = MemoryBuffer() if self.kind == "memory" else RedisBuffer(self.url, f"test:{{{uuid.uuid4().hex}}}:")
         self._open.append(buf)
         return buf
 
@@ -483,9 +479,7 @@ def test_server_that_exits_at_start_reports_its_log(tmp_path, monkeypatch) -> No
 
 def test_server_that_never_answers_times_out_and_is_killed(tmp_path, monkeypatch) -> None:
     pidfile, sleep = tmp_path / "pid", shutil.which("sleep") or "/bin/sleep"
-    monkeypatch.setenv(
-        "PATH", str(_fake_binary(tmp_path, f"echo $$ > {pidfile}; echo starting; exec {sleep} 60"))
-    )
+    monkeypatch.setenv("PATH", str(_fake_binary(tmp_path, f"echo $$ > {pidfile}; echo starting; exec {sleep} 60")))
     t0 = time.monotonic()
     with pytest.raises(UserError, match="did not answer PING(.|\n)*starting"):
         start_redis_server(tmp_path / "data", timeout_s=0.5)

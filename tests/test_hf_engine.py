@@ -27,8 +27,10 @@ def test_hf_engine_logprobs_match_the_learner(tmp_path):
     outs = engine.generate(prompts, Sampling(n=3, temperature=0.7, top_p=1.0, max_new_tokens=6))
     assert [len(o) for o in outs] == [3, 3]
     seqs = [(p, c.tokens, c.logprobs) for p, group in zip(prompts, outs, strict=True) for c in group]
-    batch = pad_batch([(torch.tensor(p).numpy(), torch.tensor(t).numpy(), torch.tensor(lp).numpy())
-                       for p, t, lp in seqs], tok.pad_token_id)
+    batch = pad_batch(
+        [(torch.tensor(p).numpy(), torch.tensor(t).numpy(), torch.tensor(lp).numpy()) for p, t, lp in seqs],
+        tok.pad_token_id,
+    )
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     learner = sequence_logprobs(logits, batch["input_ids"], temperature=0.7)

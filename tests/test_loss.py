@@ -202,9 +202,7 @@ def test_grpo_tis_loss_value_gradient_metrics(case):
     out = grpo_tis_loss(batch, tis_cap=cap, total_tokens=total)
     out.loss.backward()
 
-    want_loss, want_grad, want_metrics = ref_grpo_tis(
-        logp.tolist(), mu.tolist(), adv.tolist(), mask, cap, total
-    )
+    want_loss, want_grad, want_metrics = ref_grpo_tis(logp.tolist(), mu.tolist(), adv.tolist(), mask, cap, total)
     assert out.loss.dim() == 0
     assert close(out.loss.item(), want_loss)
     for i, row in enumerate(want_grad):
@@ -298,9 +296,7 @@ def ragged_sequences(draw, vocab: int = 7):
 
 
 @SETTINGS
-@given(
-    seqs=ragged_sequences(), pad_id=st.integers(0, 6), temperature=floats(0.5, 1.5), seed=st.integers(0, 99)
-)
+@given(seqs=ragged_sequences(), pad_id=st.integers(0, 6), temperature=floats(0.5, 1.5), seed=st.integers(0, 99))
 def test_pad_batch_aligns_with_sequence_logprobs(seqs, pad_id, temperature, seed):
     """A bigram 'model' samples mu_t in a loop; the padded pipeline must recover mu_t at position t."""
     vocab = 7
@@ -316,9 +312,7 @@ def test_pad_batch_aligns_with_sequence_logprobs(seqs, pad_id, temperature, seed
         mu = [bigram_logprob(context[t], int(response[t])) for t in range(len(response))]
         triples.append((prompt, response, np.array(mu, dtype=np.float32)))
     padded = pad_batch(triples, pad_id=pad_id)
-    ids, attn, rmask, blp = (
-        padded[k] for k in ("input_ids", "attention_mask", "response_mask", "behaviour_logprobs")
-    )
+    ids, attn, rmask, blp = (padded[k] for k in ("input_ids", "attention_mask", "response_mask", "behaviour_logprobs"))
 
     length = max(2, max(len(p) + len(r) for p, r in seqs))
     assert ids.shape == attn.shape == (len(seqs), length)
@@ -339,9 +333,7 @@ def test_pad_batch_aligns_with_sequence_logprobs(seqs, pad_id, temperature, seed
     logp = sequence_logprobs(logits, ids, temperature)
     assert torch.allclose(logp * rmask, blp.double(), atol=1e-6, rtol=0)
 
-    batch = PolicyBatch(
-        logp.requires_grad_(), blp.double(), torch.ones(len(seqs), dtype=torch.float64), rmask
-    )
+    batch = PolicyBatch(logp.requires_grad_(), blp.double(), torch.ones(len(seqs), dtype=torch.float64), rmask)
     out = grpo_tis_loss(batch, tis_cap=2.0, total_tokens=max(1.0, float(rmask.sum())))
     assert out.num_tokens == float(sum(len(r) for _, r in seqs))
     assert out.tis_clip_frac == 0.0 and out.logprob_mismatch < 1e-6 and abs(out.behaviour_kl) < 1e-6

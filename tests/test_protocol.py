@@ -68,9 +68,7 @@ def _group(**overrides) -> TrajectoryGroup:
         versions=np.array([2, 2, 3], np.int32),
         reward=1.0,
     )
-    fields = dict(
-        prompt_ids=np.arange(4, dtype=np.int32), samples=[sample], prompt_index=3, epoch=0, producer="gen-0"
-    )
+    fields = dict(prompt_ids=np.arange(4, dtype=np.int32), samples=[sample], prompt_index=3, epoch=0, producer="gen-0")
     return TrajectoryGroup(**{**fields, **overrides})
 
 

@@ -215,18 +215,24 @@ def test_sync_mode_falls_out_of_the_same_rule(k, b, steps) -> None:
         assert started == admission_limit(v, k, b)
 
 
-@given(st.integers(-50, 500), st.integers(1, 16), st.integers(1, 64))
-def test_claim_share_spreads_open_slots_and_respects_the_cap(open_slots, generators, cap) -> None:
-    share = claim_share(open_slots, generators, cap)
+@given(st.integers(-50, 500), st.integers(1, 16), st.integers(1, 64), st.integers(1, 64))
+def test_claim_share_is_bounded_by_what_is_open_and_the_cap(open_slots, generators, cap, per_step) -> None:
+    share = claim_share(open_slots, generators, cap, per_step)
     if open_slots <= 0:
         assert share == 0
         return
-    assert 1 <= share <= cap
-    # every generator taking its share covers what is open (unless capped), and none takes much more
+    assert 1 <= share <= min(cap, open_slots)
+    # every generator taking its share covers what is open (unless capped)
     assert share * generators >= min(open_slots, cap * generators)
-    assert share <= max(1, -(-open_slots // generators))
 
 
-def test_claim_share_in_sync_mode_splits_a_step_evenly() -> None:
-    # k = 0, B = 8, two generators at a fresh version: 8 slots open, 4 each
-    assert claim_share(admission_limit(5, 0, 8) - 5 * 8, generators=2, groups_in_flight=8) == 4
+@given(st.integers(1, 8), st.integers(1, 8), st.integers(0, 50))
+def test_claim_share_in_sync_mode_gives_equal_batches(generators, per_generator, version) -> None:
+    """k = 0: the generators arriving one after another each get ceil(B / G) groups, never crumbs."""
+    b = generators * per_generator
+    live, shares = version * b, []
+    for _ in range(generators):
+        share = claim_share(admission_limit(version, 0, b) - live, generators, 64, b)
+        shares.append(share)
+        live += share
+    assert shares == [per_generator] * generators

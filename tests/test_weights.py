@@ -160,9 +160,7 @@ def _corruptions(frames: list) -> dict[str, list]:
     flipped[len(flipped) // 2] ^= 0x10
 
     def first_tensor(**change) -> bytes:
-        return msgpack.packb(
-            {**manifest, "tensors": [{**manifest["tensors"][0], **change}, *manifest["tensors"][1:]]}
-        )
+        return msgpack.packb({**manifest, "tensors": [{**manifest["tensors"][0], **change}, *manifest["tensors"][1:]]})
 
     return {
         "flipped byte": [frames[0], frames[1], bytes(flipped), *frames[3:]],

@@ -200,9 +200,7 @@ def seal(snap: Snapshot) -> list:
     manifest = {
         "version": snap.version,
         "tensors": snap.entries,
-        "buckets": [
-            {"nbytes": int(b.nbytes), "checksum": c} for b, c in zip(snap.buckets, bucket_sums, strict=True)
-        ],
+        "buckets": [{"nbytes": int(b.nbytes), "checksum": c} for b, c in zip(snap.buckets, bucket_sums, strict=True)],
         "checksum": whole.result(),
         "created_at": snap.created_at,
     }
