@@ -19,7 +19,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from algo_common import NAN, SETTINGS, TOL, close, floats
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -35,17 +36,6 @@ from asyncrl.learners.advantages import (
 from asyncrl.learners.loss import group_advantages
 
 torch.set_num_threads(1)
-TOL = 1e-6
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-NAN = float("nan")
-
-
-def close(a: float, b: float, tol: float = TOL) -> bool:
-    return abs(a - b) <= tol * max(1.0, abs(a), abs(b))
-
-
-def floats(lo: float, hi: float):
-    return st.floats(lo, hi, allow_nan=False, allow_infinity=False, width=64)
 
 
 # ----------------------------------------------------------------------------- slow references

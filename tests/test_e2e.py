@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from demo_launch import ROOT, demo_launch_cmd
 
 from asyncrl.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 
 
@@ -25,19 +25,7 @@ def launch(tmp_path: Path, name: str, *args: str, timeout: float = 900) -> tuple
     pytest.importorskip("vllm")
     pytest.importorskip("deepspeed")
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.cli",
-            "launch",
-            "--config",
-            "configs/demo-cpu.yaml",
-            "--name",
-            name,
-            "--set",
-            f"run.out_dir={tmp_path}",
-            *args,
-        ],
+        demo_launch_cmd(tmp_path, name, *args),
         cwd=ROOT,
         capture_output=True,
         text=True,

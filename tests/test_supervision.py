@@ -8,13 +8,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from demo_launch import ROOT, demo_launch_cmd
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 
 
@@ -48,14 +47,8 @@ def test_generator_restart_and_ctrl_c(tmp_path):
     pytest.importorskip("vllm")
     run_dir = tmp_path / "sup"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.cli",
-            "launch",
-            "--config",
-            "configs/demo-cpu.yaml",
-            "--name",
+        demo_launch_cmd(
+            tmp_path,
             "sup",
             "--generators",
             "2",
@@ -66,10 +59,8 @@ def test_generator_restart_and_ctrl_c(tmp_path):
             "--steps",
             "10000",
             "--set",
-            f"run.out_dir={tmp_path}",
-            "--set",
             "run.eval_every=0",
-        ],
+        ),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -109,14 +100,8 @@ def test_a_dead_learner_stops_the_run_with_a_clear_error(tmp_path):
     pytest.importorskip("vllm")
     run_dir = tmp_path / "dead-learner"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.cli",
-            "launch",
-            "--config",
-            "configs/demo-cpu.yaml",
-            "--name",
+        demo_launch_cmd(
+            tmp_path,
             "dead-learner",
             "--generators",
             "1",
@@ -125,10 +110,8 @@ def test_a_dead_learner_stops_the_run_with_a_clear_error(tmp_path):
             "--steps",
             "10000",
             "--set",
-            f"run.out_dir={tmp_path}",
-            "--set",
             "run.eval_every=0",
-        ],
+        ),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
