@@ -170,6 +170,9 @@ class Launcher:
     def child_env(self, url: str, prefix: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(ASYNCRL_REDIS_URL=url, ASYNCRL_PREFIX=prefix, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        # JIT-built ops (DeepSpeed's CPU shm allreduce) per environment: one machine-wide cache is
+        # rebuilt (minutes) whenever another checkout's environment used it last
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
         return env
 
     @property

@@ -31,7 +31,7 @@ if [ ! -f "$stamp" ]; then
   # DeepSpeed JIT-builds its shared-memory allreduce op at the first learner start on CPU (about
   # a minute on 2 cores): build it now, so the first run does not stall waiting for it
   if .venv/bin/python -c "import sys, torch; sys.exit(1 if torch.cuda.is_available() else 0)"; then
-    DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()" >/dev/null
+    DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}" .venv/bin/python -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()" >/dev/null
   fi
   rm -f .venv/.setup-*
   touch "$stamp"
