@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from asyncrl.config import Config, dump_config
 from asyncrl.control import RunControl, connect
 from asyncrl.errors import UserError
 from asyncrl.launch_progress import Progress, RunStats
+from asyncrl.redis_server import free_loopback_port
 
 STOP_GRACE_S = 10.0  # children get this long to leave on their own before SIGTERM, then SIGKILL
 FINAL_EVAL_TIMEOUT_S = 180.0  # after the learners finish, how long the final evaluation may take
@@ -94,17 +94,12 @@ def preflight_light(cfg: Config, redis_url: str | None) -> None:
     import_by_path(cfg.data.reward)
     if not (Path(cfg.model.path) / "config.json").is_file() and cfg.model.recipe is None:
         raise UserError(f"model directory not found: {cfg.model.path} (and model.recipe is not set)")
-    if redis_url:
-        from asyncrl.redis_server import check_redis_url
+    from asyncrl.redis_server import check_redis_url, find_redis_binary
 
+    if redis_url:
         check_redis_url(redis_url)
     else:
-        import shutil
-
-        from asyncrl.redis_server import INSTALL_HINT, REDIS_BINARY
-
-        if shutil.which(REDIS_BINARY) is None:
-            raise UserError(f"{REDIS_BINARY} not found on PATH; {INSTALL_HINT}")
+        find_redis_binary()
 
 
 def preflight(cfg: Config, redis_url: str | None, log=print) -> None:
@@ -127,12 +122,6 @@ def ensure_model(cfg: Config, log=print) -> None:
 def _has_cuda() -> bool:
     """Without importing torch (slow): a CUDA driver exposes /proc/driver/nvidia."""
     return os.path.exists("/proc/driver/nvidia/version")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Launcher:
@@ -186,7 +175,7 @@ class Launcher:
     def spawn(self, config_path: Path, url: str, prefix: str) -> None:
         cfg, logs = self.cfg, self.run_dir / "logs"
         base = self.child_env(url, prefix)
-        master_port = str(_free_port())
+        master_port = str(free_loopback_port())
         ncpu = os.cpu_count() or 1
         for rank in range(cfg.run.learners):
             env = dict(

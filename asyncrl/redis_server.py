@@ -239,10 +239,19 @@ class _ServerExited(Exception):
     pass
 
 
-def _free_port() -> int:
+def free_loopback_port() -> int:
+    """A port that was free on 127.0.0.1 a moment ago (the caller binds it, or retries)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def find_redis_binary(binary: str = REDIS_BINARY) -> str:
+    """The path of ``binary``; UserError saying how to install it if it is not on PATH."""
+    exe = shutil.which(binary)
+    if exe is None:
+        raise UserError(f"{binary} not found on PATH; {INSTALL_HINT}")
+    return exe
 
 
 def start_redis_server(
@@ -258,9 +267,7 @@ def start_redis_server(
     Raises :class:`UserError` if the binary is missing, or the server exits or stays silent during
     start-up (the message carries the end of its log).
     """
-    exe = shutil.which(binary)
-    if exe is None:
-        raise UserError(f"{binary} not found on PATH; {INSTALL_HINT}")
+    exe = find_redis_binary(binary)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     password = password or secrets.token_hex(24)
@@ -269,7 +276,7 @@ def start_redis_server(
     import redis
 
     for attempt in range(_PORT_ATTEMPTS):
-        server = RedisServer(workdir, _free_port(), password, appendonly, exe)
+        server = RedisServer(workdir, free_loopback_port(), password, appendonly, exe)
         try:
             server.start(timeout_s)
             return server
