@@ -76,6 +76,35 @@ def _fmt(x, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _status_parser(sub) -> None:
+    p = sub.add_parser("status", help="show a run's versions, buffer, learners and generators")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run", help="run directory (runs/<name>); works after the run ended too")
+    where.add_argument("--redis-url", help="read the run on this Redis server instead")
+    p.add_argument(
+        "--prefix", help="the run's key prefix, asyncrl:{<run-id>}: (with --redis-url; default: its only run)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(args) -> int:
+    import json
+
+    from asyncrl.status import render, status
+
+    if args.prefix and args.run:
+        raise UserError("--prefix goes with --redis-url; a run directory names its own prefix")
+    snapshot = status(run=args.run, redis_url=args.redis_url, prefix=args.prefix)
+    if args.json:
+        print(json.dumps(snapshot, indent=2))
+    else:
+        from rich.console import Console
+
+        render(snapshot, Console())
+    return 0
+
+
 def cmd_prepare_demo(args) -> int:
     from asyncrl.config import load_config
     from asyncrl.launch import ensure_model
@@ -91,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"asyncrl {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     _launch_parser(sub)
+    _status_parser(sub)
     p = sub.add_parser("prepare-demo", help="build (once) the demo model named by a config")
     p.add_argument("--config", default="configs/demo-cpu.yaml")
     p.set_defaults(func=cmd_prepare_demo)

@@ -35,6 +35,9 @@ class RunConfig(_Section):
         10, ge=0, description="Greedy held-out evaluation every this many versions (0: first and last only)."
     )
     max_generator_restarts: int = Field(3, ge=0, description="Restarts of crashed generators before the run fails.")
+    max_redis_restarts: int = Field(
+        3, ge=0, description="Restarts of the launcher's own redis-server (from its AOF) before the run fails."
+    )
     timeout_s: float = Field(3600.0, gt=0, description="Wall-clock limit of the whole run.")
     cpu_scheduling: bool = Field(
         True,
@@ -73,6 +76,17 @@ class BufferConfig(_Section):
         None, description="Use this Redis server instead of starting one (redis://:pw@host:port/db)."
     )
     block_ms: int = Field(200, ge=1, description="How long a blocked read or admission wait sleeps per poll.")
+    replay_times: int = Field(
+        1, ge=1, description="Train on a group up to this many times (in later steps) while within the lag bound."
+    )
+    filter_zero_variance: bool = Field(
+        False,
+        description="DAPO dynamic filtering: drop groups whose rewards are all equal (no GRPO signal) before they "
+        "count towards a batch; generation continues until the batch is full.",
+    )
+    max_frame_mb: float = Field(
+        64.0, gt=0, description="Trajectory frames larger than this go to dead letters instead of training."
+    )
 
 
 class GeneratorConfig(_Section):
@@ -106,6 +120,16 @@ class LearnerConfig(_Section):
         "auto", description="torch.distributed backend: auto = nccl on GPU, gloo on CPU."
     )
     checkpoint: bool = Field(True, description="Write a DeepSpeed checkpoint and an HF export at the end.")
+    checkpoint_every: int = Field(
+        10,
+        ge=0,
+        description="Commit a checkpoint every this many steps (0: only at the end). Trained groups are "
+        "acknowledged in the buffer only when a checkpoint that includes them is committed; a restarted "
+        "learner resumes from the last one.",
+    )
+    max_restarts: int = Field(
+        1, ge=0, description="Restarts of the learner ranks (from the last committed checkpoint) before the run fails."
+    )
 
 
 class AlgorithmConfig(_Section):

@@ -4,6 +4,8 @@ Every process of a run talks to the same Redis (the buffer's). Keys live under t
 
 ``meta`` (hash)            weights address, final version, ...; written once, read by anyone
 ``hb:<role>:<id>`` (hash)  heartbeat of one process: version it serves, pid, time; expires
+``seen:<role>`` (hash)     every process ever seen: id -> its last heartbeat as JSON; never expires
+``staleness`` (hash)       staleness of trained groups: steps behind -> how many groups
 ``claim:<name>``           SET NX once-only claims (e.g. which generator evaluates version v)
 ``inflight`` (hash)        groups each generator admitted but has not pushed (released if it dies)
 ``metrics`` (stream)       JSON metric records from every process; the launcher is its only reader
@@ -51,6 +53,9 @@ class RunControl:
         value = self.r.hget(self._k("meta"), field)
         return None if value is None else value.decode()
 
+    def forget_meta(self, field: str) -> None:
+        self.r.hdel(self._k("meta"), field)
+
     def wait_meta(self, field: str, timeout_s: float, poll_s: float = 0.2) -> str:
         deadline = time.monotonic() + timeout_s
         while (value := self.get_meta(field)) is None:
@@ -79,10 +84,31 @@ class RunControl:
     # -- heartbeats -------------------------------------------------------------------------------
     def heartbeat(self, role: str, ident: str, **fields: str | int | float) -> None:
         key = self._k(f"hb:{role}:{ident}")
+        beat = {"time": time.time(), **fields}
         with self.r.pipeline(transaction=False) as p:
-            p.hset(key, mapping={"time": time.time(), **fields})
+            p.hset(key, mapping=beat)
             p.expire(key, HEARTBEAT_TTL_S)
+            p.hset(self._k(f"seen:{role}"), ident, json.dumps(beat))
             p.execute()
+
+    def seen(self, role: str) -> dict[str, dict]:
+        """Every process of ``role`` that ever sent a heartbeat: id -> its last one."""
+        raw = self.r.hgetall(self._k(f"seen:{role}"))
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    # -- staleness of trained groups ----------------------------------------------------------------
+    def count_staleness(self, values: list[int]) -> None:
+        counts: dict[int, int] = {}
+        for v in values:
+            counts[int(v)] = counts.get(int(v), 0) + 1
+        if counts:
+            with self.r.pipeline(transaction=False) as p:
+                for v, n in counts.items():
+                    p.hincrby(self._k("staleness"), str(v), n)
+                p.execute()
+
+    def staleness_histogram(self) -> dict[int, int]:
+        return {int(k): int(v) for k, v in self.r.hgetall(self._k("staleness")).items()}
 
     def heartbeats(self, role: str) -> dict[str, dict[str, str]]:
         out = {}

@@ -3,7 +3,12 @@
 It owns the run directory and is the only writer of ``metrics.jsonl`` and ``summary.json``.
 Supervision rules:
 - a generator that dies is restarted (up to ``run.max_generator_restarts`` times in all);
-- a learner that dies stops the run with an error naming its log;
+- a learner rank that dies takes the others with it (they would hang in a collective): every
+  rank restarts from the last committed checkpoint (up to ``learner.max_restarts`` times), and
+  every generator restarts with it, so none serves weights the restart threw away; past the
+  budget the run stops with an error naming the log;
+- the run's own redis-server, if it dies, is restarted on the same port from its append-only
+  file (up to ``run.max_redis_restarts`` times); clients reconnect by themselves;
 - Ctrl-C (or SIGTERM) stops every child it started, by process group, flushes metrics and writes
   the summary; the exit code is 0 only when the run completed with its final evaluation.
 Children run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then
@@ -16,17 +21,19 @@ import dataclasses
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from asyncrl.buffers.base import lost_groups
 from asyncrl.config import Config, dump_config
 from asyncrl.control import RunControl, connect
 from asyncrl.errors import UserError
 from asyncrl.launch_progress import Progress, RunStats
-from asyncrl.redis_server import free_loopback_port
+from asyncrl.redis_server import free_loopback_port, url_address
 
 STOP_GRACE_S = 10.0  # children get this long to leave on their own before SIGTERM, then SIGKILL
 FINAL_EVAL_TIMEOUT_S = 180.0  # after the learners finish, how long the final evaluation may take
@@ -132,6 +139,8 @@ class Launcher:
         self.console = console
         self.children: list[Child] = []
         self.restarts = 0
+        self.learner_restarts = 0
+        self.redis_restarts = 0
         self.redis = None
         self.run_info: dict = {}
         self.buffer = None
@@ -144,6 +153,8 @@ class Launcher:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for stale in ("metrics.jsonl", "summary.json"):
             (self.run_dir / stale).unlink(missing_ok=True)
+        for stale in ("checkpoint", "export", "redis"):  # a restarted learner must never resume an old run
+            shutil.rmtree(self.run_dir / stale, ignore_errors=True)
         config_path = self.run_dir / "config.yaml"
         config_path.write_text(dump_config(self.cfg))
         return config_path
@@ -225,12 +236,13 @@ class Launcher:
 
     # -- supervision -------------------------------------------------------------------------------
     def check_children(self, control: RunControl) -> str | None:
-        """Restart dead generators; return an exit reason when the run must end."""
+        """Restart what died (see the module doc); return an exit reason when the run must end."""
+        self.check_redis()
         learners = [c for c in self.children if c.role == "learner"]
-        for c in learners:
-            code = c.proc.poll()
-            if code not in (None, 0):
-                raise UserError(f"{c.name} exited with code {code}; see {c.log_path}:\n{c.log_tail()}")
+        dead = [c for c in learners if c.proc.poll() not in (None, 0)]
+        if dead:
+            self.restart_learners(control, dead[0])
+            return None
         if all(c.proc.poll() == 0 for c in learners):
             return "learners_done"
         for c in self.children:
@@ -241,14 +253,53 @@ class Launcher:
                         f"{c.name} exited with code {c.proc.returncode} and the restart budget "
                         f"({self.cfg.run.max_generator_restarts}) is spent; see {c.log_path}:\n{c.log_tail()}"
                     )
-                lost = control.take_inflight(str(c.ident))
-                if lost:  # its admitted-but-unpushed groups would otherwise hold admission slots forever
-                    self.buffer.release(lost)
                 self.log(f"{c.name} exited with code {c.proc.returncode}; restarting ({self.restarts})")
+                self.release_inflight(control, c)
                 c.incarnation += 1
                 c.start()
                 self.write_run_info()
         return None
+
+    def release_inflight(self, control: RunControl, c: Child) -> None:
+        """A dead generator's admitted-but-unpushed groups would hold admission slots forever."""
+        lost = control.take_inflight(str(c.ident))
+        if lost:
+            self.buffer.release(lost)
+
+    def restart_learners(self, control: RunControl, failed: Child) -> None:
+        code = failed.proc.returncode
+        self.learner_restarts += 1
+        if self.learner_restarts > self.cfg.learner.max_restarts:
+            raise UserError(f"{failed.name} exited with code {code}; see {failed.log_path}:\n{failed.log_tail()}")
+        committed = self.run_dir / "checkpoint" / "committed.json"
+        start = json.loads(committed.read_text())["version"] if committed.is_file() else 0
+        self.log(
+            f"{failed.name} exited with code {code}; restarting every learner rank from version {start} "
+            f"and every generator ({self.learner_restarts}/{self.cfg.learner.max_restarts})"
+        )
+        stop_processes(self.children)
+        for c in self.children:
+            if c.role == "generator":
+                self.release_inflight(control, c)
+                c.incarnation += 1
+        control.forget_meta("weights_address")  # generators wait for the new publisher's
+        port = str(free_loopback_port())
+        for c in self.children:
+            if c.role == "learner":
+                c.env.update(MASTER_PORT=port, ASYNCRL_LEARNER_RESTART=str(self.learner_restarts))
+            c.start()
+        self.write_run_info()
+
+    def check_redis(self) -> None:
+        if self.redis is None or self.redis.is_running():
+            return
+        self.redis_restarts += 1
+        if self.redis_restarts > self.cfg.run.max_redis_restarts:
+            raise UserError(f"redis-server died {self.redis_restarts} times; its log:\n{self.redis.log_tail()}")
+        self.log(f"redis-server died; restarting it from its append-only file ({self.redis_restarts})")
+        self.redis.restart()
+        self.run_info["redis_pid"] = self.redis.pid
+        self.write_run_info()
 
     def write_run_info(self) -> None:
         """``run.json``: the run's Redis prefix and the pids of every process this launcher started."""
@@ -261,22 +312,17 @@ class Launcher:
                 control.request_stop(reason)
             except Exception:  # redis may be the thing that failed
                 pass
-        deadline = time.monotonic() + STOP_GRACE_S
-        live = [c for c in self.children if c.proc is not None]
-        while time.monotonic() < deadline and any(c.proc.poll() is None for c in live):
-            time.sleep(0.1)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for c in live:
-                if c.proc.poll() is None:
-                    try:
-                        os.killpg(c.proc.pid, sig)
-                    except ProcessLookupError:
-                        pass
-            for c in live:
-                try:
-                    c.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
+        stop_processes(self.children, grace_s=STOP_GRACE_S)
+
+    def final_buffer_stats(self) -> dict | None:
+        if self.buffer is None:
+            return None
+        try:
+            counts = self.buffer.stats()
+        except Exception as exc:  # the summary must be written even when the buffer is gone
+            self.log(f"buffer statistics unavailable at the end: {exc}")
+            return None
+        return {**counts, "lost": lost_groups(counts)}
 
     def log(self, message: str) -> None:
         if self.console is not None:
@@ -305,6 +351,9 @@ class Launcher:
                 "prefix": prefix,
                 "launcher_pid": os.getpid(),
                 "redis_pid": self.redis.pid if self.redis else None,
+                "redis_address": url_address(url),
+                "redis_url_file": str(write_secret(self.run_dir / "redis.url", url)),
+                "redis_dir": str(self.redis.workdir) if self.redis else None,
             }
             self.spawn(config_path, url, prefix)
             self.write_run_info()
@@ -321,6 +370,12 @@ class Launcher:
             self.stop_children(control, reason)
             if control is not None:
                 self.stats.drain(control)
+            self.stats.buffer = self.final_buffer_stats()
+            self.stats.restarts = {
+                "generators": self.restarts,
+                "learners": self.learner_restarts,
+                "redis": self.redis_restarts,
+            }
             self.stats.write_summary(self.run_dir, reason)
             if self.buffer is not None:
                 self.buffer.close()
@@ -347,6 +402,36 @@ class Launcher:
                 if time.monotonic() > deadline:
                     return "timeout", 1
                 time.sleep(0.25)
+
+
+def stop_processes(children: list[Child], grace_s: float = 0.0) -> None:
+    """Wait up to ``grace_s`` for children to leave on their own, then SIGTERM, then SIGKILL each
+    one's process group (a child's own children go with it)."""
+    deadline = time.monotonic() + grace_s
+    live = [c for c in children if c.proc is not None]
+    while time.monotonic() < deadline and any(c.proc.poll() is None for c in live):
+        time.sleep(0.1)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for c in live:
+            if c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        for c in live:
+            try:
+                c.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def write_secret(path: Path, text: str) -> Path:
+    """Write ``text`` readable by this user only (the Redis URL carries its password)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    return path
 
 
 def _raise_keyboard_interrupt(signum, frame):

@@ -27,8 +27,11 @@ class RunStats:
         self.samples = 0
         self.first_step_at: tuple[float, int] | None = None  # (learner wall, samples) after step 1
         self.last_step_at: tuple[float, int] | None = None
+        self.wall_offset = 0.0
         self.evals: dict[int, float] = {}
         self.error: str | None = None
+        self.buffer: dict | None = None  # the buffer's counters at the end (pushed, trained, ..., lost)
+        self.restarts: dict[str, int] = {}
 
     def drain(self, control, on_eval=None) -> None:
         try:
@@ -47,7 +50,10 @@ class RunStats:
             self.max_staleness_seen = max(self.max_staleness_seen, int(record["buffer/staleness_max"]))
             self.dropped_stale += int(record["buffer/dropped_stale"])
             self.samples += int(record["learner/samples"])
-            point = (record["learner/wall_seconds"], self.samples)
+            wall = record["learner/wall_seconds"]
+            if self.last_step_at is not None and wall + self.wall_offset < self.last_step_at[0]:
+                self.wall_offset = self.last_step_at[0]  # the learners restarted; their clock did too
+            point = (wall + self.wall_offset, self.samples)
             self.first_step_at = self.first_step_at or point
             self.last_step_at = point
         if "eval/reward_mean" in record:
@@ -85,6 +91,8 @@ class RunStats:
             "samples_trained": self.samples,
             "dropped_stale": self.dropped_stale,
             "evals": {str(k): v for k, v in sorted(self.evals.items())},
+            "buffer": self.buffer,
+            "restarts": self.restarts,
             "wall_seconds": time.time() - self.started,
             "exit_reason": exit_reason,
             "error": self.error,

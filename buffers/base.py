@@ -4,41 +4,63 @@ Who calls what:
 
 * generators: :meth:`Buffer.try_start_group` before generating a group (admission control), then
   :meth:`Buffer.push` with the encoded group, or :meth:`Buffer.release` if the group is abandoned;
-* learner ranks: :meth:`Buffer.read` (each entry is delivered to exactly one consumer), then
-  :meth:`Buffer.ack` once the checkpoint that consumed the entries is committed;
-  :meth:`Buffer.record_dropped` for stale groups, :meth:`Buffer.dead_letter` for bad frames;
+* learner ranks, through :class:`asyncrl.buffers.consumer.BatchConsumer`: :meth:`Buffer.read`
+  (each entry is delivered to exactly one consumer), then one outcome per entry:
+  :meth:`Buffer.ack` with ``trained`` once the checkpoint that includes its update is committed,
+  or at once with ``stale`` / ``filtered``, or :meth:`Buffer.dead_letter` for a frame that is bad;
+  :meth:`Buffer.pending` after a restart to get back what was delivered but never acknowledged;
 * learner rank 0: :meth:`Buffer.set_version` after each optimizer step.
 
 Invariants every implementation keeps, under any number of concurrent callers (threads for the
 memory buffer; threads and processes for Redis):
 
-* **admission bound**: ``started - dropped_stale - abandoned`` never exceeds
-  :func:`asyncrl.staleness.admission_limit` of the largest ``serving_version`` any caller passed.
-  The check and the increment are one atomic step, so racing generators cannot overshoot.
+* **admission bound**: ``live = started + replayed - abandoned - dropped_stale - filtered - dead``
+  never exceeds :func:`asyncrl.staleness.admission_limit` of the largest ``serving_version`` any
+  caller passed. Groups that never reach a gradient give their slot back; a replayed group takes
+  one again, as a step uses ``B`` groups either way. The check and the increment are one atomic
+  step, and a retried admission (lost reply) gets its first answer back, so racing or reconnecting
+  generators cannot overshoot.
 * **at most one append per group id**: a second push of the same id is a no-op that returns False.
 * **exactly-one delivery**: an entry returned by :meth:`read` to one consumer is never returned by
-  :meth:`read` to another; it stays *pending* until acknowledged and can be taken over with
-  :meth:`reclaim` when its consumer died.
+  :meth:`read` to another; it stays *pending* until acknowledged (:meth:`pending` gives a restarted
+  consumer its own back; :meth:`reclaim` takes over a dead consumer's).
+* **every pushed group is accounted for**: ``pushed = trained + dropped_stale + filtered + dead +
+  queued + pending``; outcome counters move only together with the acknowledgement that removes
+  the entry, so a retried acknowledgement counts once.
 * counters only grow (except ``queued``/``pending``, which are gauges).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from abc import ABC, abstractmethod
 
 # Counters every implementation reports from :meth:`Buffer.stats` (``queued``/``pending`` are gauges).
-STAT_KEYS = (
+COUNTER_KEYS = (
     "started",  # groups admitted by try_start_group
     "pushed",  # distinct groups appended
     "duplicates",  # pushes ignored because the group id was seen before
-    "dropped_stale",  # consumed groups dropped as too stale (their admission slots were given back)
-    "abandoned",  # admitted groups that will never be pushed (their slots were given back)
-    "acked",  # entries acknowledged (and removed from the stream)
-    "dead",  # frames sent to the dead-letter stream
-    "queued",  # entries appended but not yet delivered to any consumer
-    "pending",  # entries delivered but not yet acknowledged
+    "abandoned",  # admitted groups that will never be pushed (slots given back)
+    "trained",  # groups acknowledged after a committed checkpoint included their update
+    "dropped_stale",  # groups acknowledged unused: older than the lag bound (slots given back)
+    "filtered",  # groups acknowledged unused: dynamic filtering, e.g. zero reward variance (slots given back)
+    "dead",  # frames acknowledged onto the dead-letter stream (slots given back)
+    "replayed",  # extra trainings of a group beyond its first (each takes a slot)
 )
+STAT_KEYS = (
+    *COUNTER_KEYS,
+    "queued",  # gauge: entries appended but not yet delivered to any consumer
+    "pending",  # gauge: entries delivered but not yet acknowledged
+)
+# Outcomes :meth:`Buffer.ack` accepts, and the counter each one moves.
+OUTCOMES = {"trained": "trained", "stale": "dropped_stale", "filtered": "filtered"}
+
+# How many recent group ids the duplicate check remembers. Duplicates come from retried pushes
+# seconds apart, so this is generous; it bounds the memory of a long run (about 100 B per id).
+SEEN_WINDOW = 1 << 17
+# A retried admission or release within this long gets the answer of its first attempt.
+IDEMPOTENCY_TTL_S = 600
 
 # Dead letters keep at most this much of the offending frame: enough to debug, and an oversize
 # frame (one of the reasons to dead-letter) must not blow up the buffer's memory a second time.
@@ -53,6 +75,7 @@ class Entry:
 
     entry_id: str  # buffer-assigned, increasing in append order (a Redis stream id like "17-0")
     frame: bytes  # the msgpack frame as pushed (see asyncrl.protocol)
+    producer: str = "unknown"  # who pushed it, as they said at push time
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,6 +88,23 @@ class DeadLetter:
     frame: bytes  # the first DEAD_FRAME_MAX_BYTES of the frame
 
 
+def live_groups(counts: dict[str, int]) -> int:
+    """Groups holding an admission slot: started or replayed, and not given back (see module doc)."""
+    returned = counts["abandoned"] + counts["dropped_stale"] + counts["filtered"] + counts["dead"]
+    return counts["started"] + counts["replayed"] - returned
+
+
+def lost_groups(counts: dict[str, int]) -> int:
+    """Pushed groups that are in no outcome and not in the buffer: 0 unless a guarantee broke."""
+    kept = sum(counts[k] for k in ("trained", "dropped_stale", "filtered", "dead", "queued", "pending"))
+    return counts["pushed"] - kept
+
+
+def new_token() -> str:
+    """An idempotency token: one per logical request, reused by its retries."""
+    return uuid.uuid4().hex
+
+
 class BufferUnavailableError(ConnectionError):
     """The buffer's backing service stayed unreachable after the retries; the message names it."""
 
@@ -75,28 +115,32 @@ class Buffer(ABC):
     # ----- generators -------------------------------------------------------------------------
 
     @abstractmethod
-    def try_start_group(self, serving_version: int, max_policy_lag: int, groups_per_step: int) -> int | None:
+    def try_start_group(
+        self, serving_version: int, max_policy_lag: int, groups_per_step: int, token: str | None = None
+    ) -> int | None:
         """Admission control, atomically.
 
-        If ``started - dropped_stale - abandoned < admission_limit(serving_version, k, B)``, increment
-        ``started`` and return the 0-based sequence number of the new group; else return None and
-        change nothing. ``serving_version`` is the version the CALLER's engine serves, not the
-        learner's (see ``asyncrl/staleness.py``). Sequence numbers are unique and increasing.
+        If :func:`live_groups` ``< admission_limit(serving_version, k, B)``, increment ``started``
+        and return the 0-based sequence number of the new group; else return None and change
+        nothing. ``serving_version`` is the version the CALLER's engine serves, not the learner's
+        (see ``asyncrl/staleness.py``). Sequence numbers are unique and increasing. Calls with the
+        same ``token`` (default: a new one) are one request: a retry returns the first answer.
         """
 
     @abstractmethod
-    def push(self, group_id: str, frame: bytes) -> bool:
+    def push(self, group_id: str, frame: bytes, producer: str = "unknown") -> bool:
         """Append one encoded group; False (and no append) if ``group_id`` was pushed before.
 
         A retried push after a lost reply returns False although the first attempt appended, so
         False means "this group is in the buffer already", never "this group was lost".
+        ``producer`` names the sender in dead letters and ``asyncrl status``.
         """
 
     @abstractmethod
-    def release(self, n: int = 1) -> None:
+    def release(self, n: int = 1, token: str | None = None) -> None:
         """``n`` admitted groups will never be pushed (failed generation, shutdown): give their
         admission slots back, counted as ``abandoned``. Without this, every abandoned group shrinks
-        the admission window for the rest of the run."""
+        the admission window for the rest of the run. Idempotent per ``token``."""
 
     # ----- learner ranks ----------------------------------------------------------------------
 
@@ -109,31 +153,46 @@ class Buffer(ABC):
         """
 
     @abstractmethod
+    def pending(self, consumer: str) -> list[Entry]:
+        """Every entry delivered to ``consumer`` and not acknowledged, oldest first.
+
+        A restarted learner rank calls this with its own consumer name to get back what it had
+        read before the crash; a consumer whose read reply was lost finds those entries here.
+        """
+
+    @abstractmethod
+    def pending_ids(self, consumer: str) -> list[str]:
+        """The ids of :meth:`pending` (cheap: no frames)."""
+
+    @abstractmethod
     def reclaim(self, consumer: str, min_idle_ms: int, count: int) -> list[Entry]:
         """Take over up to ``count`` pending entries idle for at least ``min_idle_ms`` (from any
         consumer, ``consumer`` itself included) and deliver them again to ``consumer``.
 
-        A restarted learner rank calls this (``min_idle_ms=0`` for its own entries) so that entries
-        delivered but not acknowledged before a crash are trained on, not lost.
+        For entries of consumers that are gone for good (a learner world that shrank).
         """
 
     @abstractmethod
-    def ack(self, entry_ids: list[str]) -> None:
-        """Acknowledge delivered entries: they are done and removed from the buffer for good.
+    def ack(self, entry_ids: list[str], outcome: str) -> int:
+        """Acknowledge delivered entries with their ``outcome`` (a key of :data:`OUTCOMES`): they
+        are done, removed from the buffer, and counted. Returns how many were acknowledged now.
 
-        Call only after the learner checkpoint that consumed them is committed. Unknown or
-        already-acknowledged ids are ignored.
+        ``trained``: only after the learner checkpoint that includes their update is committed.
+        ``stale`` / ``filtered``: at once; their admission slots are given back (else a learner
+        that waits for fresh groups could wait forever). Unknown or already-acknowledged ids are
+        ignored and not counted.
         """
 
     @abstractmethod
-    def record_dropped(self, n: int) -> None:
-        """``n`` consumed groups were stale and dropped: counted as ``dropped_stale``, and their
-        admission slots given back (else a learner that needs fresh groups could wait forever)."""
+    def dead_letter(self, entry_id: str, frame: bytes, reason: str, producer: str) -> bool:
+        """Acknowledge entry ``entry_id`` as ``dead`` and keep its frame on the dead-letter stream
+        with ``reason`` and ``producer``, atomically. False (nothing kept) if it was acknowledged
+        already."""
 
     @abstractmethod
-    def dead_letter(self, frame: bytes, reason: str, producer: str) -> None:
-        """Keep a bad frame on the dead-letter stream with ``reason`` and ``producer``; counted as
-        ``dead``. The caller still acknowledges the entry the frame came in."""
+    def record_replays(self, n: int, token: str | None = None) -> None:
+        """``n`` trainings of groups trained before (``buffer.replay_times > 1``): each takes an
+        admission slot, as a new group would. Idempotent per ``token``."""
 
     @abstractmethod
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:

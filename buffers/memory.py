@@ -12,65 +12,87 @@ import threading
 import time
 
 from asyncrl.buffers.base import (
+    COUNTER_KEYS,
     DEAD_FRAME_MAX_BYTES,
     DEAD_MAX_ENTRIES,
+    OUTCOMES,
+    SEEN_WINDOW,
     Buffer,
     DeadLetter,
     Entry,
     check_count,
+    live_groups,
 )
 from asyncrl.staleness import admission_limit
 
 
 class _Pending:
-    __slots__ = ("consumer", "frame", "delivered_at")
+    __slots__ = ("consumer", "entry", "delivered_at")
 
-    def __init__(self, consumer: str, frame: bytes, delivered_at: float):
+    def __init__(self, consumer: str, entry: Entry, delivered_at: float):
         self.consumer = consumer
-        self.frame = frame
+        self.entry = entry
         self.delivered_at = delivered_at
 
 
 class MemoryBuffer(Buffer):
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._counters = {
-            k: 0 for k in ("started", "pushed", "duplicates", "dropped_stale", "abandoned", "acked", "dead")
-        }
-        self._seen: set[str] = set()
+        self._counters = dict.fromkeys(COUNTER_KEYS, 0)
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()  # newest SEEN_WINDOW ids
+        self._once: dict[str, int] = {}  # idempotency token -> first answer
         self._next_id = 0
-        self._queue: collections.deque[tuple[str, bytes]] = collections.deque()  # never delivered
+        self._queue: collections.deque[Entry] = collections.deque()  # never delivered
         self._pending: dict[str, _Pending] = {}  # insertion order = delivery order
         self._dead: collections.deque[DeadLetter] = collections.deque(maxlen=DEAD_MAX_ENTRIES)
         self._version = 0
 
     # ----- generators -------------------------------------------------------------------------
 
-    def try_start_group(self, serving_version: int, max_policy_lag: int, groups_per_step: int) -> int | None:
+    def try_start_group(
+        self, serving_version: int, max_policy_lag: int, groups_per_step: int, token: str | None = None
+    ) -> int | None:
         limit = admission_limit(serving_version, max_policy_lag, groups_per_step)
         with self._cond:
-            c = self._counters
-            if c["started"] - c["dropped_stale"] - c["abandoned"] >= limit:
-                return None
-            c["started"] += 1
-            return c["started"] - 1
+            if token is not None and token in self._once:
+                seq = self._once[token]
+            elif live_groups(self._counters) >= limit:
+                seq = -1
+            else:
+                seq = self._counters["started"]
+                self._counters["started"] += 1
+            if token is not None:
+                self._once[token] = seq
+            return None if seq < 0 else seq
 
-    def push(self, group_id: str, frame: bytes) -> bool:
+    def push(self, group_id: str, frame: bytes, producer: str = "unknown") -> bool:
         with self._cond:
             if group_id in self._seen:
                 self._counters["duplicates"] += 1
                 return False
-            self._seen.add(group_id)
+            self._seen[group_id] = None
+            if len(self._seen) > SEEN_WINDOW:
+                self._seen.popitem(last=False)
             self._next_id += 1
-            self._queue.append((f"{self._next_id}-0", bytes(frame)))
+            self._queue.append(Entry(f"{self._next_id}-0", bytes(frame), str(producer)))
             self._counters["pushed"] += 1
             self._cond.notify_all()
             return True
 
-    def release(self, n: int = 1) -> None:
+    def release(self, n: int = 1, token: str | None = None) -> None:
+        self._count_once("abandoned", n, token)
+
+    def record_replays(self, n: int, token: str | None = None) -> None:
+        self._count_once("replayed", n, token)
+
+    def _count_once(self, field: str, n: int, token: str | None) -> None:
         check_count("n", n)
         with self._cond:
-            self._counters["abandoned"] += n
+            if token is not None:
+                if token in self._once:
+                    return
+                self._once[token] = n
+            self._counters[field] += n
 
     # ----- learner ranks ----------------------------------------------------------------------
 
@@ -86,40 +108,47 @@ class MemoryBuffer(Buffer):
             out = []
             now = time.monotonic()
             while self._queue and len(out) < count:
-                entry_id, frame = self._queue.popleft()
-                self._pending[entry_id] = _Pending(consumer, frame, now)
-                out.append(Entry(entry_id, frame))
+                entry = self._queue.popleft()
+                self._pending[entry.entry_id] = _Pending(consumer, entry, now)
+                out.append(entry)
             return out
+
+    def pending(self, consumer: str) -> list[Entry]:
+        with self._cond:
+            return [p.entry for p in self._pending.values() if p.consumer == consumer]
+
+    def pending_ids(self, consumer: str) -> list[str]:
+        return [e.entry_id for e in self.pending(consumer)]
 
     def reclaim(self, consumer: str, min_idle_ms: int, count: int) -> list[Entry]:
         check_count("count", count)
         now = time.monotonic()
         with self._cond:
             out = []
-            for entry_id, p in self._pending.items():
+            for p in self._pending.values():
                 if len(out) >= count:
                     break
                 if (now - p.delivered_at) * 1000 >= min_idle_ms:
                     p.consumer, p.delivered_at = consumer, now
-                    out.append(Entry(entry_id, p.frame))
+                    out.append(p.entry)
             return out
 
-    def ack(self, entry_ids: list[str]) -> None:
+    def ack(self, entry_ids: list[str], outcome: str) -> int:
+        if outcome not in OUTCOMES:
+            raise ValueError(f"unknown outcome {outcome!r}; expected one of {sorted(OUTCOMES)}")
         with self._cond:
-            for entry_id in entry_ids:
-                if self._pending.pop(entry_id, None) is not None:
-                    self._counters["acked"] += 1
+            n = sum(self._pending.pop(entry_id, None) is not None for entry_id in entry_ids)
+            self._counters[OUTCOMES[outcome]] += n
+            return n
 
-    def record_dropped(self, n: int) -> None:
-        check_count("n", n)
-        with self._cond:
-            self._counters["dropped_stale"] += n
-
-    def dead_letter(self, frame: bytes, reason: str, producer: str) -> None:
+    def dead_letter(self, entry_id: str, frame: bytes, reason: str, producer: str) -> bool:
         letter = DeadLetter(str(reason), str(producer), len(frame), bytes(frame[:DEAD_FRAME_MAX_BYTES]))
         with self._cond:
+            if self._pending.pop(entry_id, None) is None:
+                return False
             self._dead.append(letter)
             self._counters["dead"] += 1
+            return True
 
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         check_count("count", count)

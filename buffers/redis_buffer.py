@@ -6,20 +6,30 @@ key of a run in one Redis Cluster slot, which multi-key Lua scripts need):
 =================  =======  ==========================================================================
 key                type     contents
 =================  =======  ==========================================================================
-``P traj``         stream   one entry per group: ``gid`` (group id), ``frame`` (msgpack bytes);
+``P traj``         stream   one entry per group: ``gid`` (group id), ``producer``, ``frame`` (msgpack);
                             consumer group ``learners``, one consumer per learner rank
 ``P dead``         stream   ``reason``, ``producer``, ``size``, ``frame`` (first 1 MiB); ~1000 kept
-``P counters``     hash     started, pushed, duplicates, dropped_stale, abandoned, acked, dead
-``P seen``         set      every group id ever pushed (duplicate detection)
+``P counters``     hash     the counters of :data:`~asyncrl.buffers.base.COUNTER_KEYS`
+``P seen``         zset     the last ``SEEN_WINDOW`` group ids pushed, scored by push order (dedup)
+``P once:<token>`` string   the answer to an admission or release, for its retries; expires
 ``P version``      string   the learner's policy version (absent: 0)
 =================  =======  ==========================================================================
 
-Atomicity: admission (compare and increment) and push (dedup and append and count) are Lua
-scripts, ack (XACK, then XDEL of exactly the acknowledged ids, and count) is one too; Redis runs a
-script without interleaving any other command, so racing processes cannot pass the admission bound
-or append a group twice. Acknowledged entries are deleted, so the stream holds only queued and
-pending (delivered, not yet acknowledged) entries: memory is bounded by the admission window plus
-whatever learners have read but not acknowledged yet.
+Atomicity: admission (compare and increment), acknowledgement (XACK, XDEL of exactly the
+acknowledged ids, count the outcome) and dead letters (the same plus the dead-letter append) are Lua
+scripts; push (append, dedup, count) is a MULTI/EXEC transaction of a plain XADD and a Lua script
+that takes the entry out again if the id was seen. Redis runs a script or a transaction without
+interleaving any other command, so racing processes cannot pass the admission bound, append a group
+twice, or count an outcome twice. Frames never pass through Lua on the way in: copying a 100 KB
+argument into Lua cost more server CPU than the XADD itself (``scripts/bench/buffer.py``).
+Acknowledged entries are deleted, so the stream holds only queued and pending entries: memory is
+bounded by the admission window plus whatever learners have read but not acknowledged.
+
+Durability: the launcher's redis-server appends every write to its AOF before it replies, so a
+killed server restarts with every group a generator saw acknowledged, the consumer group's pending
+lists, and the counters. Script effects are what the AOF records, and a transaction is one
+MULTI/EXEC block in it (a block cut short by a crash is dropped on load), so a restart replays them
+exactly.
 
 Failures: every method is retried with jittered exponential back-off on connection errors and
 timeouts (a restarting server is ridden through); after the last retry a
@@ -37,58 +47,99 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from asyncrl.buffers.base import (
+    COUNTER_KEYS,
     DEAD_FRAME_MAX_BYTES,
     DEAD_MAX_ENTRIES,
+    IDEMPOTENCY_TTL_S,
+    OUTCOMES,
+    SEEN_WINDOW,
     Buffer,
     BufferUnavailableError,
     DeadLetter,
     Entry,
     check_count,
+    new_token,
 )
 from asyncrl.errors import UserError
 from asyncrl.redis_server import url_address
 from asyncrl.staleness import admission_limit
 
 GROUP = "learners"
-_COUNTERS = ("started", "pushed", "duplicates", "dropped_stale", "abandoned", "acked", "dead")
 # Reads block at most this long per call. It must stay below the socket timeout, or a long block
 # would look like a dead connection; callers loop anyway.
 _MAX_BLOCK_MS = 20_000
 _SOCKET_TIMEOUT_S = 30.0
 
-# KEYS: counters. ARGV: limit. Returns the new group's sequence number, or -1 when refused.
+# KEYS: counters, once-token. ARGV: limit, ttl. Returns the new group's sequence number, or -1 when
+# refused; a retry with the same token returns the first answer without counting again.
 _ADMIT = """
-local c = redis.call('HMGET', KEYS[1], 'started', 'dropped_stale', 'abandoned')
-local started = tonumber(c[1]) or 0
-local live = started - (tonumber(c[2]) or 0) - (tonumber(c[3]) or 0)
-if live >= tonumber(ARGV[1]) then return -1 end
-redis.call('HINCRBY', KEYS[1], 'started', 1)
-return started
+local prev = redis.call('GET', KEYS[2])
+if prev then return tonumber(prev) end
+local c = redis.call('HMGET', KEYS[1], 'started', 'replayed', 'abandoned', 'dropped_stale', 'filtered', 'dead')
+local n = {}
+for i = 1, 6 do n[i] = tonumber(c[i]) or 0 end
+local live = n[1] + n[2] - n[3] - n[4] - n[5] - n[6]
+local seq = -1
+if live < tonumber(ARGV[1]) then
+  redis.call('HINCRBY', KEYS[1], 'started', 1)
+  seq = n[1]
+end
+redis.call('SET', KEYS[2], seq, 'EX', ARGV[2])
+return seq
 """
 
-# KEYS: seen, traj, counters. ARGV: group id, frame. Returns 1 if appended, 0 for a duplicate.
+# KEYS: counters, once-token. ARGV: field, n, ttl. Adds n to a counter once per token.
+_INCR_ONCE = """
+if redis.call('SET', KEYS[2], 1, 'NX', 'EX', ARGV[3]) then
+  redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2])
+end
+return 0
+"""
+
+# KEYS: seen, traj, counters. ARGV: group id, seen window. Runs in one MULTI/EXEC right after the
+# XADD of the group, so the newest entry of traj is that XADD's: 1 if it stays (counted), 0 if the id
+# is a duplicate and the entry is deleted again (only then is the frame copied into Lua). Refuses
+# before changing anything if traj is not a stream (the XADD failed with WRONGTYPE). The seen set
+# keeps the newest ids only (scored by the pushed counter).
 _PUSH = """
-if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
+if redis.call('TYPE', KEYS[2]).ok ~= 'stream' then return redis.error_reply('ERR traj is not a stream') end
+local order = (tonumber(redis.call('HGET', KEYS[3], 'pushed')) or 0) + 1
+if redis.call('ZADD', KEYS[1], 'NX', order, ARGV[1]) == 0 then
+  local newest = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+  redis.call('XDEL', KEYS[2], newest[1])
   redis.call('HINCRBY', KEYS[3], 'duplicates', 1)
   return 0
 end
-redis.call('XADD', KEYS[2], '*', 'gid', ARGV[1], 'frame', ARGV[2])
 redis.call('HINCRBY', KEYS[3], 'pushed', 1)
+local excess = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[2])
+if excess > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, excess - 1) end
 return 1
 """
 
-# KEYS: traj, counters. ARGV: consumer group, entry ids... Deletes only what XACK acknowledged, so an
-# id that was never delivered (or is unknown) cannot make a queued entry disappear.
+# KEYS: traj, counters. ARGV: consumer group, counter, entry ids... Deletes only what XACK
+# acknowledged, so an id that was never delivered (or is unknown) cannot make a queued entry
+# disappear, and an acknowledgement retried after a lost reply counts nothing twice.
 _ACK = """
 local n = 0
-for i = 2, #ARGV do
+for i = 3, #ARGV do
   if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
     redis.call('XDEL', KEYS[1], ARGV[i])
     n = n + 1
   end
 end
-if n > 0 then redis.call('HINCRBY', KEYS[2], 'acked', n) end
+if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[2], n) end
 return n
+"""
+
+# KEYS: traj, counters, dead. ARGV: consumer group, entry id, reason, producer, size, frame head,
+# dead-letter cap. Acknowledges the entry and keeps the letter, or does nothing if acknowledged.
+_DEAD = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HINCRBY', KEYS[2], 'dead', 1)
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*',
+  'reason', ARGV[3], 'producer', ARGV[4], 'size', ARGV[5], 'frame', ARGV[6])
+return 1
 """
 
 
@@ -136,7 +187,7 @@ class RedisBuffer(Buffer):
         url: str,
         prefix: str,
         *,
-        retries: int = 6,
+        retries: int = 10,
         backoff_base_s: float = 0.1,
         backoff_cap_s: float = 2.0,
     ):
@@ -149,7 +200,7 @@ class RedisBuffer(Buffer):
             decode_responses=False,
             # redis-py's own retries nest (connect inside command), so they are off; _retrying retries.
             retry=Retry(NoBackoff(), 0),
-            socket_connect_timeout=5.0,
+            socket_connect_timeout=2.0,
             socket_timeout=_SOCKET_TIMEOUT_S,
             health_check_interval=30,
         )
@@ -159,8 +210,9 @@ class RedisBuffer(Buffer):
         self._k_seen = self._key("seen")
         self._k_version = self._key("version")
         self._admit = self._r.register_script(_ADMIT)
-        self._push = self._r.register_script(_PUSH)
         self._ack = self._r.register_script(_ACK)
+        self._dead = self._r.register_script(_DEAD)
+        self._incr_once = self._r.register_script(_INCR_ONCE)
         try:
             self._ensure_group()
         except redis.AuthenticationError as exc:
@@ -181,21 +233,40 @@ class RedisBuffer(Buffer):
 
     # ----- generators -------------------------------------------------------------------------
 
-    @_retrying
-    def try_start_group(self, serving_version: int, max_policy_lag: int, groups_per_step: int) -> int | None:
+    def try_start_group(
+        self, serving_version: int, max_policy_lag: int, groups_per_step: int, token: str | None = None
+    ) -> int | None:
         limit = admission_limit(serving_version, max_policy_lag, groups_per_step)
-        seq = int(self._admit(keys=[self._k_counters], args=[limit]))
+        seq = self._admit_once(token or new_token(), limit)
         return None if seq < 0 else seq
 
     @_retrying
-    def push(self, group_id: str, frame: bytes) -> bool:
-        return bool(self._push(keys=[self._k_seen, self._k_traj, self._k_counters], args=[group_id, frame]))
+    def _admit_once(self, token: str, limit: int) -> int:
+        return int(self._admit(keys=[self._k_counters, self._key(f"once:{token}")], args=[limit, IDEMPOTENCY_TTL_S]))
 
     @_retrying
-    def release(self, n: int = 1) -> None:
+    def push(self, group_id: str, frame: bytes, producer: str = "unknown") -> bool:
+        pipe = self._r.pipeline(transaction=True)  # MULTI/EXEC, one round trip
+        pipe.xadd(self._k_traj, {"gid": group_id, "producer": producer, "frame": frame})
+        # EVAL, not EVALSHA: after a server restart EVALSHA would fail with NOSCRIPT inside EXEC,
+        # after the XADD had run. The script body costs ~1 KB per push next to a ~100 KB frame.
+        pipe.eval(_PUSH, 3, self._k_seen, self._k_traj, self._k_counters, group_id, SEEN_WINDOW)
+        return bool(pipe.execute()[1])
+
+    def release(self, n: int = 1, token: str | None = None) -> None:
         check_count("n", n)
         if n:
-            self._r.hincrby(self._k_counters, "abandoned", n)
+            self._count_once("abandoned", n, token or new_token())
+
+    def record_replays(self, n: int, token: str | None = None) -> None:
+        check_count("n", n)
+        if n:
+            self._count_once("replayed", n, token or new_token())
+
+    @_retrying
+    def _count_once(self, field: str, n: int, token: str) -> None:
+        keys = [self._k_counters, self._key(f"once:{token}")]
+        self._incr_once(keys=keys, args=[field, n, IDEMPOTENCY_TTL_S])
 
     # ----- learner ranks ----------------------------------------------------------------------
 
@@ -218,6 +289,30 @@ class RedisBuffer(Buffer):
         return self._r.xreadgroup(GROUP, consumer, {self._k_traj: ">"}, count=count, block=block)
 
     @_retrying
+    def pending(self, consumer: str) -> list[Entry]:
+        out: list[Entry] = []
+        start = "0"
+        while True:  # reading id "0" onwards returns this consumer's pending entries, in order
+            reply = self._r.xreadgroup(GROUP, consumer, {self._k_traj: start}, count=1000)
+            entries = [(eid, fields) for _, batch in reply or [] for eid, fields in batch]
+            if not entries:
+                return out
+            # an entry deleted while pending comes back with no fields; there is nothing to redo
+            out.extend(_entry(eid, fields) for eid, fields in entries if fields)
+            start = entries[-1][0]
+
+    @_retrying
+    def pending_ids(self, consumer: str) -> list[str]:
+        out: list[str] = []
+        start = "-"
+        while True:
+            rows = self._r.xpending_range(self._k_traj, GROUP, min=start, max="+", count=1000, consumername=consumer)
+            out.extend(_id(r["message_id"]) for r in rows)
+            if len(rows) < 1000:
+                return out
+            start = "(" + out[-1]
+
+    @_retrying
     def reclaim(self, consumer: str, min_idle_ms: int, count: int) -> list[Entry]:
         check_count("count", count)
         out: list[Entry] = []
@@ -233,28 +328,18 @@ class RedisBuffer(Buffer):
         return out
 
     @_retrying
-    def ack(self, entry_ids: list[str]) -> None:
-        if entry_ids:
-            self._ack(keys=[self._k_traj, self._k_counters], args=[GROUP, *entry_ids])
+    def ack(self, entry_ids: list[str], outcome: str) -> int:
+        counter = _outcome_counter(outcome)
+        if not entry_ids:
+            return 0
+        return int(self._ack(keys=[self._k_traj, self._k_counters], args=[GROUP, counter, *entry_ids]))
 
     @_retrying
-    def record_dropped(self, n: int) -> None:
-        check_count("n", n)
-        if n:
-            self._r.hincrby(self._k_counters, "dropped_stale", n)
-
-    @_retrying
-    def dead_letter(self, frame: bytes, reason: str, producer: str) -> None:
-        fields = {
-            "reason": str(reason),
-            "producer": str(producer),
-            "size": len(frame),
-            "frame": bytes(frame[:DEAD_FRAME_MAX_BYTES]),
-        }
-        pipe = self._r.pipeline(transaction=True)
-        pipe.xadd(self._k_dead, fields, maxlen=DEAD_MAX_ENTRIES, approximate=True)
-        pipe.hincrby(self._k_counters, "dead", 1)
-        pipe.execute()
+    def dead_letter(self, entry_id: str, frame: bytes, reason: str, producer: str) -> bool:
+        keys = [self._k_traj, self._k_counters, self._k_dead]
+        head = bytes(frame[:DEAD_FRAME_MAX_BYTES])
+        args = [GROUP, entry_id, str(reason), str(producer), len(frame), head, DEAD_MAX_ENTRIES]
+        return bool(self._dead(keys=keys, args=args))
 
     @_retrying
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
@@ -290,7 +375,7 @@ class RedisBuffer(Buffer):
         pipe.xlen(self._k_traj)
         pipe.xpending(self._k_traj, GROUP)
         counters, length, pending = pipe.execute()
-        out = {k: int(counters.get(k.encode(), 0)) for k in _COUNTERS}
+        out = {k: int(counters.get(k.encode(), 0)) for k in COUNTER_KEYS}
         out["pending"] = int(pending["pending"])
         # Acknowledged entries are deleted, so the stream holds exactly the queued + pending ones.
         out["queued"] = int(length) - out["pending"]
@@ -300,6 +385,18 @@ class RedisBuffer(Buffer):
         self._r.close()
 
 
+def _id(entry_id: bytes | str) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+
 def _entry(entry_id: bytes | str, fields: dict) -> Entry:
-    eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return Entry(eid, fields[b"frame"])
+    eid = _id(entry_id)
+    producer = fields.get(b"producer", b"unknown").decode(errors="replace")
+    return Entry(eid, fields[b"frame"], producer)
+
+
+def _outcome_counter(outcome: str) -> str:
+    try:
+        return OUTCOMES[outcome]
+    except KeyError:
+        raise ValueError(f"unknown outcome {outcome!r}; expected one of {sorted(OUTCOMES)}") from None

@@ -22,6 +22,7 @@ import zlib
 import numpy as np
 
 from asyncrl import buffers
+from asyncrl.buffers.base import live_groups
 from asyncrl.config import Config, load_config
 from asyncrl.control import RunControl, connect
 from asyncrl.data import import_by_path, load_jsonl, prompt_for_sequence
@@ -104,8 +105,7 @@ class Generator:
     def admit(self) -> list[int]:
         cfg = self.cfg
         k, b = cfg.run.max_policy_lag, cfg.learner.groups_per_step
-        counts = self.buffer.stats()
-        live = counts["started"] - counts["dropped_stale"] - counts["abandoned"]
+        live = live_groups(self.buffer.stats())
         share = claim_share(
             admission_limit(self.version, k, b) - live, cfg.run.generators, cfg.generator.groups_in_flight, b
         )
@@ -150,7 +150,7 @@ class Generator:
 
     def push(self, groups: list[TrajectoryGroup]) -> None:
         for g in groups:
-            self.buffer.push(g.id, encode_group(g))
+            self.buffer.push(g.id, encode_group(g), producer=self.ident)
 
     def _score(self, record: dict, tokens: list[int]) -> float:
         text = self.tok.decode(tokens, skip_special_tokens=True)

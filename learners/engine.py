@@ -1,12 +1,20 @@
-"""DeepSpeed plumbing for a learner rank: engine set-up, full weights, checkpoint and HF export.
+"""DeepSpeed plumbing for a learner rank: engine set-up, full weights, checkpoints and HF export.
 
-All functions that gather ZeRO-3 partitions are collectives: every rank must call them.
+All functions that gather ZeRO-3 partitions or save checkpoints are collectives: every rank must
+call them.
+
+Checkpoints live in ``<run>/checkpoint/version-<v>/`` (DeepSpeed's files plus each rank's
+``asyncrl-rank<r>.json``: the buffer entries it holds and how often each was trained). A checkpoint
+is *committed* when ``<run>/checkpoint/committed.json`` names it; it is written (atomically, by rank
+0) only after every rank saved, and a restarted learner resumes from it, nothing else.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -72,9 +80,50 @@ def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
         return {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()}
 
 
-def save_final(engine, cfg: Config, run_dir: Path, state_dict: dict | None, version: int) -> None:
-    """DeepSpeed checkpoint (all ranks) and, on rank 0, an HF export that transformers and vLLM load."""
-    engine.save_checkpoint(str(run_dir / "checkpoint"), tag=f"version-{version}")
+COMMITTED = "committed.json"
+
+
+def save_checkpoint(engine, ckpt_dir: Path, version: int, rank_state: dict) -> None:
+    """Save every rank's part of version ``version`` and commit it; older checkpoints are removed."""
+    rank = dist.get_rank()
+    tag = f"version-{version}"
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+    (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
+    _write_atomic(ckpt_dir / tag / f"asyncrl-rank{rank}.json", json.dumps(rank_state))
+    dist.barrier()  # every rank's files are on disk before the commit names them
+    if rank == 0:
+        _write_atomic(ckpt_dir / COMMITTED, json.dumps({"version": version, "tag": tag}))
+        for old in ckpt_dir.glob("version-*"):
+            if old.name != tag:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_committed(engine, ckpt_dir: Path) -> tuple[int, dict] | None:
+    """Restore the committed checkpoint: (its version, this rank's saved state), or None if none."""
+    marker = ckpt_dir / COMMITTED
+    if not marker.is_file():
+        return None
+    committed = json.loads(marker.read_text())
+    path, _ = engine.load_checkpoint(str(ckpt_dir), tag=committed["tag"])
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load the committed checkpoint {ckpt_dir / committed['tag']}")
+    state_file = ckpt_dir / committed["tag"] / f"asyncrl-rank{dist.get_rank()}.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    return int(committed["version"]), state
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def export_hf(engine, cfg: Config, run_dir: Path, state_dict: dict | None) -> None:
+    """On rank 0, an HF export of ``state_dict`` that transformers and vLLM load."""
     if dist.get_rank() == 0 and state_dict is not None:
         from transformers import AutoTokenizer
 

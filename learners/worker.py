@@ -1,13 +1,18 @@
 """One learner rank: the loop that turns buffered trajectory groups into policy versions.
 
 All ranks step in lockstep (the gradient all-reduce is a barrier). Each step, at version v:
-  1. collect  - B / L groups for this rank from the buffer's consumer group; a group whose version
-                is older than v - k is dropped and counted (its admission slot is given back); a
-                frame that does not decode goes to dead letters
+  1. collect  - B / L groups for this rank through its BatchConsumer (``buffers/consumer.py``):
+                stale, filtered and undecodable groups are acknowledged with that outcome and do
+                not count; replays fill in when the buffer has too few new groups
   2. loss     - GRPO advantages per group, learner log-probs, token-TIS-corrected policy gradient,
                 normalised by the global token count so the split across ranks does not matter
   3. step     - DeepSpeed backward + optimizer step: version v + 1
   4. publish  - rank 0 sets the buffer's version and publishes the weights over the weight bus
+  5. commit   - every ``learner.checkpoint_every`` versions: a checkpoint, committed, and only then
+                the groups it trained are acknowledged in the buffer
+
+On start a rank restores the committed checkpoint if there is one (a restart after a crash) and
+takes back the entries it had pending, judged again at the restored version.
 """
 
 from __future__ import annotations
@@ -22,41 +27,24 @@ import torch
 import torch.distributed as dist
 
 from asyncrl import buffers
+from asyncrl.buffers.consumer import BatchConsumer, ConsumerPolicy, StopRequested
 from asyncrl.config import Config, load_config
 from asyncrl.control import RunControl, connect
-from asyncrl.learners.engine import build_engine, full_state_dict, init_distributed, save_final
+from asyncrl.learners.engine import (
+    build_engine,
+    export_hf,
+    full_state_dict,
+    init_distributed,
+    load_committed,
+    save_checkpoint,
+)
 from asyncrl.learners.loss import PolicyBatch, group_advantages, grpo_tis_loss, pad_batch, sequence_logprobs
 from asyncrl.metrics import RedisSink, setup_logging
-from asyncrl.protocol import ProtocolError, TrajectoryGroup, decode_group
-from asyncrl.staleness import is_fresh, staleness
+from asyncrl.protocol import TrajectoryGroup
+from asyncrl.staleness import staleness
 from asyncrl.weights import setup_publisher
 
 log = logging.getLogger("asyncrl.learner")
-
-
-def collect(buffer, consumer: str, need: int, version: int, cfg: Config, control: RunControl):
-    """Block until ``need`` fresh groups are read; returns (groups, dropped_stale, dead)."""
-    groups: list[TrajectoryGroup] = []
-    dropped = dead = 0
-    while len(groups) < need:
-        if control.stop_requested():
-            raise SystemExit("run stopped by the launcher")
-        entries = buffer.read(consumer, need - len(groups), cfg.buffer.block_ms)
-        for entry in entries:
-            try:
-                group = decode_group(entry.frame)
-            except ProtocolError as exc:
-                buffer.dead_letter(entry.frame, str(exc), producer="unknown")
-                dead += 1
-            else:
-                if is_fresh(version, group.version, cfg.run.max_policy_lag):
-                    groups.append(group)
-                else:
-                    dropped += 1
-        buffer.ack([e.entry_id for e in entries])
-    if dropped:
-        buffer.record_dropped(dropped)
-    return groups, dropped, dead
 
 
 def make_batch(groups: list[TrajectoryGroup], cfg: Config, pad_id: int, version: int) -> dict:
@@ -113,6 +101,23 @@ def train_step(engine, batch: dict, cfg: Config, world: int):
     return out, total_tokens, mismatch
 
 
+def restore(engine, consumer: BatchConsumer, cfg: Config, rank: int) -> int:
+    """Resume from the committed checkpoint, if any; take back this rank's pending entries.
+
+    Returns the version to continue from (0 on a fresh start)."""
+    restored = load_committed(engine, cfg.run_dir / "checkpoint")
+    version, uses = restored if restored is not None else (0, {})
+    counts = consumer.recover(version, uses)
+    if restored is not None or any(counts.values()):
+        log.info("rank %d resumes at version %d; pending entries taken back: %s", rank, version, counts)
+    return version
+
+
+def commit_due(cfg: Config, version: int) -> bool:
+    every = cfg.learner.checkpoint_every
+    return every > 0 and version % every == 0 and version < cfg.run.steps
+
+
 def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None:
     from transformers import AutoTokenizer
 
@@ -120,22 +125,28 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
     engine = build_engine(cfg)
     metrics = RedisSink(control, f"learner/{rank}")
     need = cfg.learner.groups_per_step // world
+    consumer = BatchConsumer(buffer, f"rank{rank}", ConsumerPolicy.from_config(cfg))
+    ckpt_dir = cfg.run_dir / "checkpoint"
+    start = restore(engine, consumer, cfg, rank)
     publisher = setup_publisher(cfg.weights) if rank == 0 else None
     state = full_state_dict(engine, cfg.learner.zero_stage)
     if publisher is not None:
-        publisher.publish(0, state)
+        buffer.set_version(start)
+        publisher.publish(start, state)
         control.set_meta("weights_address", publisher.address)
     t_start = time.time()
-    for version in range(cfg.run.steps):
+    for version in range(start, cfg.run.steps):
         # 1. collect
         t0 = time.perf_counter()
-        groups, dropped, dead = collect(buffer, f"rank{rank}", need, version, cfg, control)
+        batch = consumer.take(need, version, cfg.buffer.block_ms, stop=control.stop_requested)
+        groups = batch.groups
         t_collect = time.perf_counter() - t0
         stale = [staleness(version, g.version) for g in groups]
         # 2-3. loss and step
         t0 = time.perf_counter()
-        batch = make_batch(groups, cfg, pad_id, version)
-        out, total_tokens, mismatch = train_step(engine, batch, cfg, world)
+        out, total_tokens, mismatch = train_step(engine, make_batch(groups, cfg, pad_id, version), cfg, world)
+        consumer.trained(batch)
+        control.count_staleness(stale)
         t_train = time.perf_counter() - t0
         # 4. publish
         t0 = time.perf_counter()
@@ -144,11 +155,21 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
             buffer.set_version(version + 1)
             publisher.publish(version + 1, state)
         t_publish = time.perf_counter() - t0
+        # 5. commit
+        t0 = time.perf_counter()
+        if commit_due(cfg, version + 1):
+            save_checkpoint(engine, ckpt_dir, version + 1, consumer.checkpoint_state())
+            consumer.commit()
+        elif cfg.learner.checkpoint_every == 0 and not cfg.learner.checkpoint:
+            consumer.commit()  # nothing to resume from: a step is the only commit point there is
+        t_commit = time.perf_counter() - t0
         # metrics: global over ranks
-        sums = global_sum([out.loss.item(), sum(stale), len(stale), dropped, dead, *mismatch])
+        c = batch.counts
+        local = [out.loss.item(), sum(stale), len(stale), c["stale"], c["dead"], c["filtered"], batch.replays]
+        sums = global_sum([*local, *mismatch])
         max_stale = global_max(max(stale))
         if rank == 0:
-            loss, stale_sum, n_groups, dropped_all, dead_all, mm_sum, mm_count = sums
+            loss, stale_sum, n_groups, dropped_all, dead_all, filtered_all, replays_all, mm_sum, mm_count = sums
             record = {
                 "learner/version": version + 1,
                 "learner/loss": loss,
@@ -165,17 +186,22 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
                 "buffer/staleness_max": max_stale,
                 "buffer/dropped_stale": dropped_all,
                 "buffer/dead_letters": dead_all,
+                "buffer/filtered_groups": filtered_all,
+                "buffer/replays": replays_all,
                 "time/collect_s": t_collect,
                 "time/train_s": t_train,
                 "time/publish_s": t_publish,
+                "time/commit_s": t_commit,
             }
             metrics.log(record)
-            control.heartbeat("learner", "0", version=version + 1, pid=os.getpid())
+        control.heartbeat("learner", str(rank), version=version + 1, pid=os.getpid())
     # the end: make sure a generator serves the final version (it runs the final evaluation)
     if rank == 0:
         control.set_meta("final_version", cfg.run.steps)
     if cfg.learner.checkpoint:
-        save_final(engine, cfg, cfg.run_dir, state, cfg.run.steps)
+        save_checkpoint(engine, ckpt_dir, cfg.run.steps, consumer.checkpoint_state())
+        export_hf(engine, cfg, cfg.run_dir, state)
+    consumer.commit(final=True)
     if publisher is not None:
         wait_for_generators(control, cfg.run.steps, timeout_s=120)
         publisher.close()
@@ -208,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     init_distributed(cfg)
     try:
         run(cfg, control, buffer, rank, world)
+    except StopRequested as exc:
+        log.info("rank %d: %s", rank, exc)
     finally:
         buffer.close()
         dist.destroy_process_group()

@@ -24,7 +24,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from asyncrl.buffers import STAT_KEYS, Buffer, BufferUnavailableError, MemoryBuffer, run_prefix, setup
-from asyncrl.buffers.base import DEAD_FRAME_MAX_BYTES
+from asyncrl.buffers.base import DEAD_FRAME_MAX_BYTES, live_groups
 from asyncrl.buffers.redis_buffer import RedisBuffer
 from asyncrl.config import BufferConfig
 from asyncrl.errors import UserError
@@ -125,20 +125,55 @@ def test_k0_is_lockstep(buf: Buffer) -> None:
         assert buf.try_start_group(v, 0, 2) is None
 
 
-def test_dropped_and_released_slots_are_given_back(buf: Buffer) -> None:
+def _settle(buf: Buffer, n: int, outcome: str) -> None:
+    """Push, read and acknowledge ``n`` groups with ``outcome`` (``dead``: onto dead letters)."""
+    for _ in range(n):
+        buf.push(uuid.uuid4().hex, b"frame")
+    entries = buf.read("settler", n, 0)
+    assert len(entries) == n
+    if outcome == "dead":
+        assert all(buf.dead_letter(e.entry_id, e.frame, "bad", "test") for e in entries)
+    else:
+        assert buf.ack([e.entry_id for e in entries], outcome) == n
+
+
+def test_unused_and_released_slots_are_given_back_and_replays_take_one(buf: Buffer) -> None:
     while buf.try_start_group(0, 1, 2) is not None:
         pass
     assert buf.stats()["started"] == 4
-    buf.record_dropped(2)
+    _settle(buf, 2, "stale")
     assert [buf.try_start_group(0, 1, 2) for _ in range(3)] == [4, 5, None]
     buf.release(1)
     assert [buf.try_start_group(0, 1, 2) for _ in range(2)] == [6, None]
-    buf.record_dropped(0)
+    _settle(buf, 1, "filtered")
+    _settle(buf, 1, "dead")
+    _settle(buf, 3, "trained")  # a trained group keeps its slot
+    buf.record_replays(1)  # a replay takes one
+    assert [buf.try_start_group(0, 1, 2) for _ in range(2)] == [7, None]
     buf.release(0)
     s = buf.stats()
-    assert (s["started"], s["dropped_stale"], s["abandoned"]) == (7, 2, 1)
+    assert (s["started"], s["dropped_stale"], s["abandoned"], s["filtered"], s["dead"]) == (8, 2, 1, 1, 1)
+    assert (s["trained"], s["replayed"]) == (3, 1)
+    assert live_groups(s) == 4
     with pytest.raises(ValueError):
-        buf.record_dropped(-1)
+        buf.release(-1)
+    with pytest.raises(ValueError):
+        buf.ack(["1-0"], "eaten")
+
+
+def test_retried_admission_and_release_count_once(buf: Buffer) -> None:
+    """A retry after a lost reply repeats the token: it gets the first answer and counts nothing."""
+    assert buf.try_start_group(0, 0, 2, token="t1") == 0
+    assert buf.try_start_group(0, 0, 2, token="t1") == 0
+    assert buf.try_start_group(0, 0, 2, token="t2") == 1
+    assert buf.try_start_group(0, 0, 2, token="t3") is None
+    assert buf.try_start_group(5, 0, 2, token="t3") is None, "a refusal is an answer too"
+    buf.release(1, token="r1")
+    buf.release(1, token="r1")
+    buf.record_replays(2, token="p1")
+    buf.record_replays(2, token="p1")
+    s = buf.stats()
+    assert (s["started"], s["abandoned"], s["replayed"]) == (2, 1, 2)
 
 
 _ops = st.lists(
@@ -154,7 +189,7 @@ _ops = st.lists(
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_ops, k=st.integers(0, 2), b=st.integers(1, 3))
 def test_admission_matches_the_pure_rule(backend: Backend, ops, k: int, b: int) -> None:
-    """Any sequence of starts, drops and releases: the buffer admits exactly what
+    """Any sequence of starts, stale drops and releases: the buffer admits exactly what
     ``asyncrl.staleness.may_start_group`` allows, and numbers groups 0, 1, 2, ..."""
     buf = backend.fresh()
     started = given_back = 0
@@ -165,7 +200,7 @@ def test_admission_matches_the_pure_rule(backend: Backend, ops, k: int, b: int) 
             assert got == (started if want else None)
             started += want
         elif op == "drop" and given_back + n <= started:
-            buf.record_dropped(n)
+            _settle(buf, n, "stale")
             given_back += n
         elif op == "release" and given_back + n <= started:
             buf.release(n)
@@ -182,7 +217,7 @@ def test_duplicate_push_is_ignored(buf: Buffer) -> None:
     assert buf.push("g2", b"other") is True
     entries = buf.read("r0", 10, 0)
     assert [e.frame for e in entries] == [b"first", b"other"]
-    buf.ack([e.entry_id for e in entries])
+    buf.ack([e.entry_id for e in entries], "trained")
     assert buf.push("g1", b"third") is False, "a group id stays taken after its entry is acknowledged"
     s = buf.stats()
     assert (s["pushed"], s["duplicates"], s["queued"]) == (2, 2, 0)
@@ -208,7 +243,7 @@ def test_each_entry_goes_to_exactly_one_of_two_consumers(backend: Backend) -> No
         while not (done.is_set() and buf.stats()["queued"] == 0):
             entries = readers[i].read(f"rank{i}", 4, 20)
             got[i].extend(entries)
-            readers[i].ack([e.entry_id for e in entries])
+            readers[i].ack([e.entry_id for e in entries], "trained")
 
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
     for t in threads:
@@ -225,7 +260,7 @@ def test_each_entry_goes_to_exactly_one_of_two_consumers(backend: Backend) -> No
         frames = [int(e.frame.split(b"-")[1]) for e in g]
         assert frames == sorted(frames)
     s = buf.stats()
-    assert (s["pushed"], s["acked"], s["queued"], s["pending"]) == (n, n, 0, 0)
+    assert (s["pushed"], s["trained"], s["queued"], s["pending"]) == (n, n, 0, 0)
 
 
 def test_read_blocks_until_a_push_or_the_timeout(backend: Backend) -> None:
@@ -256,9 +291,11 @@ def test_unacked_entries_stay_pending_and_can_be_reclaimed(buf: Buffer) -> None:
     # rank0 "crashed": its pending entries go to whoever reclaims them, in order, without new ones.
     again = buf.reclaim("rank1", 0, 10)
     assert again == first
-    buf.ack([e.entry_id for e in again] + [again[0].entry_id, "1-1"])  # repeats and unknown ids ignored
+    # repeats and unknown ids are ignored and not counted
+    assert buf.ack([e.entry_id for e in again] + [again[0].entry_id, "1-1"], "trained") == 2
+    assert buf.ack([again[0].entry_id], "stale") == 0
     s = buf.stats()
-    assert (s["acked"], s["pending"], s["queued"]) == (2, 0, 1)
+    assert (s["trained"], s["dropped_stale"], s["pending"], s["queued"]) == (2, 0, 0, 1)
     assert [e.frame for e in buf.read("rank1", 10, 0)] == [b"2"]
 
 
@@ -272,17 +309,46 @@ def test_reclaim_respects_count(buf: Buffer) -> None:
 # ----- dead letters, versions, stats ------------------------------------------------------------
 
 
+def test_pending_gives_a_consumer_back_its_own_entries(buf: Buffer) -> None:
+    for j in range(4):
+        buf.push(f"g{j}", b"%d" % j, producer=f"gen-{j % 2}")
+    mine, theirs = buf.read("rank0", 2, 0), buf.read("rank1", 1, 0)
+    assert buf.pending("rank0") == mine
+    assert buf.pending("rank1") == theirs
+    assert buf.pending("rank7") == []
+    assert [e.producer for e in mine] == ["gen-0", "gen-1"]
+    buf.ack([mine[0].entry_id], "trained")
+    assert buf.pending("rank0") == mine[1:]
+
+
 def test_dead_letters_are_kept_and_counted(buf: Buffer) -> None:
-    buf.dead_letter(b"\xc1garbage", "not msgpack", "gen-3")
     big = b"x" * (DEAD_FRAME_MAX_BYTES + 10)
-    buf.dead_letter(big, "oversize", "gen-1")
-    assert buf.stats()["dead"] == 2
+    buf.push("a", b"\xc1garbage", producer="gen-3")
+    buf.push("b", big, producer="gen-1")
+    first, second = buf.read("rank0", 2, 0)
+    assert buf.dead_letter(first.entry_id, first.frame, "not msgpack", first.producer) is True
+    assert buf.dead_letter(first.entry_id, first.frame, "not msgpack", first.producer) is False, "counted once"
+    assert buf.dead_letter(second.entry_id, second.frame, "oversize", second.producer) is True
+    s = buf.stats()
+    assert (s["dead"], s["pending"], s["queued"]) == (2, 0, 0)
     letters = buf.dead_letters()
     assert [(d.reason, d.producer) for d in letters] == [("not msgpack", "gen-3"), ("oversize", "gen-1")]
     assert letters[0].frame == b"\xc1garbage"
     assert (letters[1].size, len(letters[1].frame)) == (len(big), DEAD_FRAME_MAX_BYTES)
     assert [d.reason for d in buf.dead_letters(1)] == ["oversize"]
     assert buf.dead_letters(0) == []
+
+
+def test_the_duplicate_window_is_bounded(buf: Buffer, monkeypatch) -> None:
+    import asyncrl.buffers.memory as memory_mod
+    import asyncrl.buffers.redis_buffer as redis_mod
+
+    monkeypatch.setattr(memory_mod, "SEEN_WINDOW", 3)
+    monkeypatch.setattr(redis_mod, "SEEN_WINDOW", 3)
+    for j in range(5):
+        assert buf.push(f"g{j}", b"x")
+    assert not buf.push("g4", b"x") and not buf.push("g2", b"x"), "recent ids are still duplicates"
+    assert buf.push("g0", b"x"), "ids older than the window are forgotten"
 
 
 def test_version_is_shared(backend: Backend) -> None:
@@ -510,3 +576,11 @@ def test_setup_redis_connects_with_url_or_config(redis_server) -> None:
         a.set_version(2)
     with setup(BufferConfig(type="redis", redis_url=redis_server.url), None, prefix) as b:
         assert b.get_version() == 2
+
+
+def test_pending_ids_match_pending(buf: Buffer) -> None:
+    for j in range(3):
+        buf.push(f"g{j}", b"%d" % j)
+    mine = buf.read("rank0", 3, 0)
+    assert buf.pending_ids("rank0") == [e.entry_id for e in mine]
+    assert buf.pending_ids("rank1") == []

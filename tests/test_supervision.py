@@ -111,6 +111,8 @@ def test_a_dead_learner_stops_the_run_with_a_clear_error(tmp_path):
             "10000",
             "--set",
             "run.eval_every=0",
+            "--set",
+            "learner.max_restarts=0",
         ),
         cwd=ROOT,
         stdout=subprocess.PIPE,

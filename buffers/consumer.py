@@ -1,0 +1,261 @@
+"""One learner rank's side of the buffer: judge every entry, keep replays, acknowledge at commit.
+
+Every entry a rank reads ends in exactly one outcome, and the buffer counts it when the entry is
+acknowledged (see ``base.py``):
+
+==========  ========================================================  ============================
+outcome     when                                                      acknowledged
+==========  ========================================================  ============================
+dead        the frame does not decode or validate, or is too large    at once, onto dead letters
+stale       its version is outside the lag bound when judged          at once
+filtered    dynamic filtering: every sample has the same reward       at once
+trained     used in at least one optimizer step                       when a checkpoint that
+                                                                      includes it is committed
+==========  ========================================================  ============================
+
+Unused outcomes have no effect on the model, so acknowledging them at once is exact and gives
+their admission slots back at once. A trained entry stays pending until :meth:`commit`: if the
+rank crashes first, the restarted rank gets it back from :meth:`BatchConsumer.recover` and judges
+it again at the version it restored. So each entry's effect on the committed model happens once
+(``replay_times = R``: at most R times), and no entry is lost.
+
+Replay: an entry trained fewer than ``replay_times`` times stays in the rank's pool while it is
+fresh. A step takes new entries first (what is already in the buffer), then replays, and waits for
+new entries only when neither fills the batch: a learner never idles while it holds usable data.
+The uses of every pending entry go into each checkpoint (:meth:`checkpoint_state`), so a restart
+resumes the replay budget where the committed model left it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from asyncrl.buffers.base import Buffer, Entry
+from asyncrl.protocol import ProtocolError, TrajectoryGroup, decode_group
+from asyncrl.staleness import staleness
+
+log = logging.getLogger("asyncrl.buffer")
+
+
+class StopRequested(SystemExit):
+    """The run is stopping while a rank waits for groups (what it had taken is held again)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerPolicy:
+    max_policy_lag: int
+    replay_times: int = 1
+    filter_zero_variance: bool = False
+    max_frame_bytes: int = 64 << 20
+
+    @classmethod
+    def from_config(cls, cfg) -> ConsumerPolicy:
+        return cls(
+            max_policy_lag=cfg.run.max_policy_lag,
+            replay_times=cfg.buffer.replay_times,
+            filter_zero_variance=cfg.buffer.filter_zero_variance,
+            max_frame_bytes=int(cfg.buffer.max_frame_mb * (1 << 20)),
+        )
+
+
+@dataclasses.dataclass
+class Held:
+    """An entry this rank holds (pending in the buffer) with the group it carries."""
+
+    entry_id: str
+    group: TrajectoryGroup
+    uses: int = 0  # optimizer steps that used it since the last committed checkpoint's state
+
+
+@dataclasses.dataclass
+class Batch:
+    items: list[Held]
+    replays: int  # items used before
+    counts: dict[str, int]  # outcomes decided while this batch was taken: dead, stale, filtered
+
+    @property
+    def groups(self) -> list[TrajectoryGroup]:
+        return [h.group for h in self.items]
+
+
+def judge(group: TrajectoryGroup, version: int, policy: ConsumerPolicy) -> str | None:
+    """Why a decoded group is not usable at learner ``version`` (an outcome), or None if it is.
+
+    A version above the learner's can only come from a policy a learner restart discarded.
+    """
+    s = staleness(version, group.version)
+    if s > policy.max_policy_lag or s < 0:
+        return "stale"
+    if policy.filter_zero_variance and np.ptp(group.rewards) == 0:
+        return "filtered"
+    return None
+
+
+def decode_checked(entry: Entry, policy: ConsumerPolicy) -> TrajectoryGroup:
+    """The entry's group; :class:`ProtocolError` (the dead-letter reason) if it must not be used."""
+    if len(entry.frame) > policy.max_frame_bytes:
+        raise ProtocolError(f"frame of {len(entry.frame)} bytes exceeds buffer.max_frame_mb")
+    return decode_group(entry.frame)
+
+
+class BatchConsumer:
+    def __init__(self, buffer: Buffer, consumer: str, policy: ConsumerPolicy):
+        self.buffer = buffer
+        self.consumer = consumer
+        self.policy = policy
+        self.pool: dict[str, Held] = {}  # trained, budget left, pending: replay candidates
+        self.done: dict[str, Held] = {}  # trained, budget spent or stale: acknowledged at commit
+        self.fresh: list[Held] = []  # judged usable, never trained (recovered or read ahead)
+        self.totals = dict.fromkeys(("dead", "stale", "filtered", "replays"), 0)
+
+    # ----- taking a batch ---------------------------------------------------------------------
+
+    def take(self, need: int, version: int, block_ms: int, stop: Callable[[], bool] = lambda: False) -> Batch:
+        """``need`` usable groups for the step at ``version``: new ones first, then replays, then
+        wait for new ones. Entries found unusable on the way are acknowledged with their outcome."""
+        counts = dict.fromkeys(("dead", "stale", "filtered"), 0)
+        self._retire_stale_replays(version)
+        new = self._take_fresh(need, version, counts)
+        if len(new) < need:
+            new += self._accept(self.buffer.read(self.consumer, need - len(new), 0), version, counts)
+        replays = self._take_replays(need - len(new), version)
+        while len(new) + len(replays) < need:
+            if stop():
+                self.fresh = new + self.fresh  # still held, pending: taken by the next call
+                self.pool.update((h.entry_id, h) for h in replays)
+                self._add_totals(counts)
+                raise StopRequested("stop requested while waiting for trajectory groups")
+            entries = self.buffer.read(self.consumer, need - len(new) - len(replays), block_ms)
+            if not entries:
+                entries = self._adopt_orphans(taking=new + replays)
+            new += self._accept(entries, version, counts)
+        items = new + replays
+        if replays:
+            self.buffer.record_replays(len(replays))
+        self._add_totals(counts)
+        self.totals["replays"] += len(replays)
+        return Batch(items, len(replays), counts)
+
+    def _add_totals(self, counts: dict[str, int]) -> None:
+        for key, n in counts.items():
+            self.totals[key] += n
+
+    def _take_fresh(self, need: int, version: int, counts: dict[str, int]) -> list[Held]:
+        items, keep = [], []
+        for held in self.fresh:
+            reason = judge(held.group, version, self.policy)
+            if reason is not None:
+                self._ack_unused([held.entry_id], reason, counts)
+            elif len(items) < need:
+                items.append(held)
+            else:
+                keep.append(held)
+        self.fresh = keep
+        return items
+
+    def _take_replays(self, need: int, version: int) -> list[Held]:
+        if need <= 0 or not self.pool:
+            return []
+        # fewest uses first, then oldest policy (it goes stale first)
+        order = sorted(self.pool.values(), key=lambda h: (h.uses, h.group.version))
+        chosen = order[:need]
+        for held in chosen:
+            del self.pool[held.entry_id]
+        return chosen
+
+    def _retire_stale_replays(self, version: int) -> None:
+        for held in list(self.pool.values()):
+            if judge(held.group, version, self.policy) is not None:
+                del self.pool[held.entry_id]
+                self.done[held.entry_id] = held  # trained already: acknowledged as trained at commit
+
+    def _accept(self, entries: list[Entry], version: int, counts: dict[str, int]) -> list[Held]:
+        """Judge newly read entries; acknowledge the unusable ones now; return the usable ones."""
+        usable: list[Held] = []
+        unused: dict[str, list[str]] = {"stale": [], "filtered": []}
+        for entry in entries:
+            try:
+                group = decode_checked(entry, self.policy)
+            except ProtocolError as exc:
+                if self.buffer.dead_letter(entry.entry_id, entry.frame, str(exc), entry.producer):
+                    counts["dead"] += 1
+                log.warning("dead letter %s from %s: %s", entry.entry_id, entry.producer, exc)
+                continue
+            reason = judge(group, version, self.policy)
+            if reason is None:
+                usable.append(Held(entry.entry_id, group))
+            else:
+                unused[reason].append(entry.entry_id)
+        for reason, ids in unused.items():
+            self._ack_unused(ids, reason, counts)
+        return usable
+
+    def _ack_unused(self, entry_ids: list[str], reason: str, counts: dict[str, int]) -> None:
+        if entry_ids:
+            counts[reason] += self.buffer.ack(entry_ids, reason)
+
+    def _adopt_orphans(self, taking: list[Held]) -> list[Entry]:
+        """Entries pending for this consumer that it does not hold: a read whose reply was lost
+        (e.g. the server died mid-reply) delivered them. Without this they would wait forever."""
+        held = set(self.pool) | set(self.done) | {h.entry_id for h in (*self.fresh, *taking)}
+        if held.issuperset(self.buffer.pending_ids(self.consumer)):
+            return []  # the usual case, cheaply: ids only
+        orphans = [e for e in self.buffer.pending(self.consumer) if e.entry_id not in held]
+        if orphans:
+            log.warning("adopting %d entries delivered to %s by a lost read", len(orphans), self.consumer)
+        return orphans
+
+    # ----- after the step, at commit, at restart --------------------------------------------
+
+    def trained(self, batch: Batch) -> None:
+        """The optimizer step that used ``batch`` is done."""
+        for held in batch.items:
+            held.uses += 1
+            if held.uses >= self.policy.replay_times:
+                self.done[held.entry_id] = held
+            else:
+                self.pool[held.entry_id] = held
+
+    def checkpoint_state(self) -> dict[str, int]:
+        """Uses of every trained entry still pending, for the checkpoint being written."""
+        return {h.entry_id: h.uses for h in (*self.pool.values(), *self.done.values())}
+
+    def commit(self, final: bool = False) -> int:
+        """The checkpoint whose :meth:`checkpoint_state` was saved is committed: acknowledge the
+        trained entries that are done (``final``: every trained entry, the run is over). Returns
+        how many were acknowledged."""
+        if final:
+            self.done.update(self.pool)
+            self.pool.clear()
+        ids = list(self.done)
+        n = self.buffer.ack(ids, "trained") if ids else 0
+        self.done.clear()
+        return n
+
+    def recover(self, version: int, uses: dict[str, int]) -> dict[str, int]:
+        """After a restart from the checkpoint at ``version`` whose state was ``uses``: take back
+        every entry this consumer had pending and judge it again. Returns outcome counts."""
+        counts = dict.fromkeys(("dead", "stale", "filtered", "trained", "replay", "fresh"), 0)
+        entries = self.buffer.pending(self.consumer)
+        trained_ids = []
+        for entry in entries:
+            used = uses.get(entry.entry_id, 0)
+            if used == 0:
+                usable = self._accept([entry], version, counts)
+                self.fresh += usable
+                counts["fresh"] += len(usable)
+                continue
+            group = decode_checked(entry, self.policy)  # it decoded when it was trained
+            held = Held(entry.entry_id, group, used)
+            if used >= self.policy.replay_times or judge(group, version, self.policy) is not None:
+                trained_ids.append(entry.entry_id)  # its effect is in the committed model
+            else:
+                self.pool[entry.entry_id] = held
+                counts["replay"] += 1
+        if trained_ids:
+            counts["trained"] = self.buffer.ack(trained_ids, "trained")
+        return counts

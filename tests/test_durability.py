@@ -1,0 +1,92 @@
+"""Nothing is lost when the run's redis-server or a learner rank dies mid-run (through the CLI).
+
+Both tests kill a process of a live demo run with SIGKILL and let the launcher recover. The
+summary's buffer counters must then balance: every group pushed is trained, dropped as stale,
+filtered, dead, or still in the buffer (``lost == 0``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+from demo_launch import ROOT, demo_launch_cmd
+from test_supervision import latest_version, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
+
+STEPS = 24
+
+
+def launch(tmp_path, name: str, *args: str) -> subprocess.Popen:
+    cmd = demo_launch_cmd(
+        tmp_path, name, "--generators", "2", "--learners", "2", "--steps", str(STEPS),
+        "--set", "run.eval_every=0", "--set", "learner.checkpoint_every=5", *args,
+    )  # fmt: skip
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 400) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return out
+
+
+def check_balanced(summary: dict) -> dict:
+    b = summary["buffer"]
+    accounted = b["trained"] + b["dropped_stale"] + b["filtered"] + b["dead"] + b["queued"] + b["pending"]
+    assert b["pushed"] == accounted and b["lost"] == 0, b
+    assert b["trained"] >= STEPS * 8 // 2, "at least half the steps' groups trained once"
+    return b
+
+
+def test_redis_killed_mid_run_loses_nothing(tmp_path):
+    pytest.importorskip("vllm")
+    run_dir = tmp_path / "kill-redis"
+    proc = launch(tmp_path, "kill-redis")
+    wait_for(lambda: latest_version(run_dir) >= 8, 300, "version 8", proc)
+    info = json.loads((run_dir / "run.json").read_text())
+    os.kill(info["redis_pid"], signal.SIGKILL)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_reason"] == "completed" and summary["final_version"] == STEPS
+    assert summary["restarts"]["redis"] == 1
+    assert "redis-server died; restarting it" in " ".join(out.split())
+    b = check_balanced(summary)
+    assert b["started"] >= b["pushed"]
+    new_pid = json.loads((run_dir / "run.json").read_text())["redis_pid"]
+    assert new_pid != info["redis_pid"]
+
+
+def test_learner_killed_mid_run_resumes_from_the_committed_checkpoint(tmp_path):
+    pytest.importorskip("vllm")
+    run_dir = tmp_path / "kill-learner"
+    proc = launch(tmp_path, "kill-learner")
+    wait_for(lambda: latest_version(run_dir) >= 12, 300, "version 12", proc)
+    info = json.loads((run_dir / "run.json").read_text())
+    os.kill(info["pids"]["learner-1"], signal.SIGKILL)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_reason"] == "completed" and summary["final_version"] == STEPS
+    assert summary["restarts"]["learners"] == 1
+    said = " ".join(out.split())  # rich wraps long log lines
+    assert "restarting every learner rank from version 10" in said or "from version 15" in said, out[-3000:]
+    check_balanced(summary)
+    # the versions went back to the checkpoint and forward again to the end
+    versions = [
+        json.loads(line)["learner/version"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"learner/version"' in line
+    ]
+    assert versions[-1] == STEPS
+    back = [b for a, b in zip(versions, versions[1:], strict=False) if b <= a]
+    assert back and back[0] - 1 in (10, 15), versions
+    assert (run_dir / "export" / "config.json").is_file()
