@@ -138,6 +138,8 @@ def decode_group(frame: bytes) -> TrajectoryGroup:
             id=str(obj["id"]),
             created_at=float(obj["created_at"]),
         )
+    except ProtocolError:
+        raise
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"missing or mistyped field: {exc}") from None
     if not samples:

@@ -14,12 +14,14 @@ Who calls what:
 Invariants every implementation keeps, under any number of concurrent callers (threads for the
 memory buffer; threads and processes for Redis):
 
-* **admission bound**: ``live = started + replayed - abandoned - dropped_stale - filtered - dead``
-  never exceeds :func:`asyncrl.staleness.admission_limit` of the largest ``serving_version`` any
-  caller passed. Groups that never reach a gradient give their slot back; a replayed group takes
-  one again, as a step uses ``B`` groups either way. The check and the increment are one atomic
-  step, and a retried admission (lost reply) gets its first answer back, so racing or reconnecting
-  generators cannot overshoot.
+* **admission bound**: a group is admitted only while
+  ``live = started + replayed - abandoned - dropped_stale - filtered - dead`` is below
+  :func:`asyncrl.staleness.admission_limit` of the caller's ``serving_version``, so the groups
+  admitted and not given back never exceed the limit of the largest serving version any caller
+  passed. Groups that never reach a gradient give their slot back; a replay takes one (a step
+  uses ``B`` groups, new or replayed), which only makes admission stricter. The check and the
+  increment are one atomic step, and a retried admission (lost reply) gets its first answer back,
+  so racing or reconnecting generators cannot overshoot.
 * **at most one append per group id**: a second push of the same id is a no-op that returns False.
 * **exactly-one delivery**: an entry returned by :meth:`read` to one consumer is never returned by
   :meth:`read` to another; it stays *pending* until acknowledged (:meth:`pending` gives a restarted

@@ -120,8 +120,11 @@ class BatchConsumer:
         counts = dict.fromkeys(("dead", "stale", "filtered"), 0)
         self._retire_stale_replays(version)
         new = self._take_fresh(need, version, counts)
-        if len(new) < need:
-            new += self._accept(self.buffer.read(self.consumer, need - len(new), 0), version, counts)
+        while len(new) < need:  # everything already in the buffer comes before replays
+            entries = self.buffer.read(self.consumer, need - len(new), 0)
+            if not entries:
+                break
+            new += self._accept(entries, version, counts)
         replays = self._take_replays(need - len(new), version)
         while len(new) + len(replays) < need:
             if stop():
@@ -135,7 +138,9 @@ class BatchConsumer:
             new += self._accept(entries, version, counts)
         items = new + replays
         if replays:
-            self.buffer.record_replays(len(replays))
+            # one token per rank and version: a step redone after a learner restart takes its
+            # replays' slots once, not again (else each crash would shrink the admission window)
+            self.buffer.record_replays(len(replays), token=f"replays:{self.consumer}:{version}")
         self._add_totals(counts)
         self.totals["replays"] += len(replays)
         return Batch(items, len(replays), counts)

@@ -25,7 +25,8 @@ argument into Lua cost more server CPU than the XADD itself (``scripts/bench/buf
 Acknowledged entries are deleted, so the stream holds only queued and pending entries: memory is
 bounded by the admission window plus whatever learners have read but not acknowledged.
 
-Durability: the launcher's redis-server appends every write to its AOF before it replies, so a
+Durability: the launcher's redis-server appends every write to its AOF and fsyncs it before it
+replies (``appendfsync always``, see ``asyncrl/redis_server.py``), so a
 killed server restarts with every group a generator saw acknowledged, the consumer group's pending
 lists, and the counters. Script effects are what the AOF records, and a transaction is one
 MULTI/EXEC block in it (a block cut short by a crash is dropped on load), so a restart replays them

@@ -422,7 +422,7 @@ def test_server_requires_the_password_and_binds_loopback(redis_server) -> None:
         "bind": "127.0.0.1",
         "protected-mode": "yes",
         "appendonly": "yes",
-        "appendfsync": "everysec",
+        "appendfsync": "always",
     }
     cmdline = Path(f"/proc/{redis_server.pid}/cmdline")
     if cmdline.exists():

@@ -1,7 +1,7 @@
 """Push and pop throughput of the Redis buffer against raw redis-py on the same server.
 
-Starts a private redis-server the way the launcher does (AOF on, ``appendfsync everysec``: every
-write is appended to the AOF), except that automatic AOF rewrites are off unless ``--aof-rewrite``
+Starts a private redis-server the way the launcher does (AOF on, ``appendfsync always``: every
+write is on disk before its reply), except that automatic AOF rewrites are off unless ``--aof-rewrite``
 (a rewrite forks a child that takes a CPU for about half a second, which on a 2-core machine swung
 whichever side it landed on by 2x). Builds ``--groups`` realistic trajectory groups (``--samples``
 x ``--tokens`` response tokens with float32 log-probs and int32 versions, plus a
