@@ -31,7 +31,9 @@ def connect(url: str) -> redis.Redis:
         url,
         socket_timeout=30,
         socket_connect_timeout=5,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
+        # about 20 s of retries: rides out a restart of the launcher's redis-server (it notices a
+        # death within a poll and restarts it in well under a second, plus the AOF load)
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=14),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         health_check_interval=10,
     )

@@ -278,6 +278,7 @@ class Launcher:
             f"and every generator ({self.learner_restarts}/{self.cfg.learner.max_restarts})"
         )
         stop_processes(self.children)
+        self.remove_stale_weights()
         for c in self.children:
             if c.role == "generator":
                 self.release_inflight(control, c)
@@ -313,6 +314,14 @@ class Launcher:
             except Exception:  # redis may be the thing that failed
                 pass
         stop_processes(self.children, grace_s=STOP_GRACE_S)
+
+    def remove_stale_weights(self) -> None:
+        """Shared-memory weight versions of publishers that died without cleaning up (SIGKILL)."""
+        if self.cfg.weights.transport == "shm":
+            from asyncrl.weights import remove_stale_shm
+
+            for path in remove_stale_shm(self.cfg.weights.shm_dir):
+                self.log(f"removed shared-memory weights of a dead learner: {path}")
 
     def final_buffer_stats(self) -> dict | None:
         if self.buffer is None:
@@ -377,6 +386,7 @@ class Launcher:
                 "redis": self.redis_restarts,
             }
             self.stats.write_summary(self.run_dir, reason)
+            self.remove_stale_weights()
             if self.buffer is not None:
                 self.buffer.close()
             if self.redis is not None:
@@ -390,6 +400,7 @@ class Launcher:
         with Progress(self.console, cfg) as progress:
             learners_done_at = None
             while True:
+                self.check_redis()  # first: every client of the run waits on it, the launcher too
                 self.stats.drain(control, on_eval=self.log)
                 progress.update(self.stats)
                 if learners_done_at is None and self.check_children(control) == "learners_done":

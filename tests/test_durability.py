@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 
@@ -38,6 +39,11 @@ def finish(proc: subprocess.Popen, timeout_s: float = 400) -> str:
     return out
 
 
+def plain(out: str) -> str:
+    """The launcher's log as one line: rich wraps long lines and puts ``file.py:N`` at the right."""
+    return " ".join(re.sub(r"\S+\.py:\d+", " ", out).split())
+
+
 def check_balanced(summary: dict) -> dict:
     b = summary["buffer"]
     accounted = b["trained"] + b["dropped_stale"] + b["filtered"] + b["dead"] + b["queued"] + b["pending"]
@@ -57,8 +63,8 @@ def test_redis_killed_mid_run_loses_nothing(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_reason"] == "completed" and summary["final_version"] == STEPS
-    assert summary["restarts"]["redis"] == 1
-    assert "redis-server died; restarting it" in " ".join(out.split())
+    assert summary["restarts"] == {"generators": 0, "learners": 0, "redis": 1}, "every client reconnects by itself"
+    assert "redis-server died; restarting it" in plain(out)
     b = check_balanced(summary)
     assert b["started"] >= b["pushed"]
     new_pid = json.loads((run_dir / "run.json").read_text())["redis_pid"]
@@ -77,8 +83,9 @@ def test_learner_killed_mid_run_resumes_from_the_committed_checkpoint(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_reason"] == "completed" and summary["final_version"] == STEPS
     assert summary["restarts"]["learners"] == 1
-    said = " ".join(out.split())  # rich wraps long log lines
-    assert "restarting every learner rank from version 10" in said or "from version 15" in said, out[-3000:]
+    said = plain(out)
+    restart = re.search(r"restarting every learner rank from version (\d+)", said)
+    assert restart and int(restart.group(1)) in (10, 15, 20), out[-3000:]
     check_balanced(summary)
     # the versions went back to the checkpoint and forward again to the end
     versions = [
@@ -88,5 +95,5 @@ def test_learner_killed_mid_run_resumes_from_the_committed_checkpoint(tmp_path):
     ]
     assert versions[-1] == STEPS
     back = [b for a, b in zip(versions, versions[1:], strict=False) if b <= a]
-    assert back and back[0] - 1 in (10, 15), versions
+    assert back and back[0] - 1 == int(restart.group(1)), versions
     assert (run_dir / "export" / "config.json").is_file()
