@@ -104,6 +104,12 @@ class GeneratorConfig(_Section):
     )
     kv_cache_gb: int = Field(1, ge=1, description="vLLM CPU KV-cache space per generator (GiB, whole).")
     eval: bool = Field(True, description="Generators run the greedy held-out evaluations.")
+    on_weight_update: Literal["wait", "continue", "abort"] = Field(
+        "wait",
+        description="New weights during generation. wait: applied between engine calls (every trajectory is one "
+        "version). continue: applied between engine steps, unfinished samples go on (tokens carry two versions; "
+        "the oldest bounds staleness). abort: applied between steps, unfinished samples start again (vllm only).",
+    )
 
 
 class LearnerConfig(_Section):
@@ -144,8 +150,24 @@ class AlgorithmConfig(_Section):
 
 
 class WeightsConfig(_Section):
-    transport: Literal["zmq"] = Field("zmq", description="Weight bus transport from learner rank 0 to generators.")
+    transport: Literal["zmq", "shm"] = Field(
+        "zmq",
+        description="Weight bus transport from learner rank 0 to generators: zmq (tcp/ipc, any host) or shm "
+        "(same host only: each version is written once to shared memory and mapped by every generator).",
+    )
     bucket_mb: int = Field(64, ge=1, description="Bucket size of the bucketed state dict (MiB).")
+    shm_dir: str = Field(
+        "/dev/shm",
+        min_length=1,
+        description="transport=shm: tmpfs directory for the versions; needs room for about three versions "
+        "(Docker's default /dev/shm is 64 MB: raise --shm-size).",
+    )
+    shm_verify: Literal["structure", "full"] = Field(
+        "structure",
+        description="transport=shm: what each generator checks. structure: header, manifest, sizes and "
+        "extents, O(tensors); the bytes were hashed once by the publisher. full: also re-hash every byte "
+        "in every generator, O(bytes) each (~0.7 s per 500 MB per generator on one core).",
+    )
 
 
 class Config(_Section):
@@ -167,6 +189,11 @@ class Config(_Section):
             )
         if self.buffer.type == "memory" and (self.run.generators > 1 or self.run.learners > 1):
             raise ValueError("buffer.type=memory works only in one process; use redis")
+        if self.generator.on_weight_update != "wait" and self.generator.engine != "vllm":
+            raise ValueError(
+                f"generator.on_weight_update={self.generator.on_weight_update} needs generator.engine=vllm "
+                "(the hf engine applies weights only between calls: use wait)"
+            )
         return self
 
     @property

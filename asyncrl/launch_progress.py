@@ -11,6 +11,48 @@ from asyncrl.config import Config
 from asyncrl.metrics import JsonlSink
 
 
+class WeightSync:
+    """``weights/sync_seconds``: from the learner's step end that made version v to the moment every
+    live generator serves v or newer (a generator may skip versions: newest wins).
+
+    Times are wall clocks of different processes on one host. A generator is live while its last
+    record is younger than ``live_s``; one that died does not hold the figure back.
+    """
+
+    def __init__(self, live_s: float = 30.0):
+        self.live_s = live_s
+        self.step_end: dict[int, float] = {}  # version -> learner wall clock at the end of its step
+        self.serving: dict[str, list[tuple[int, float]]] = {}  # generator -> (version, applied at)
+        self.last_seen: dict[str, float] = {}
+        self.done: set[int] = set()
+
+    def fold(self, record: dict) -> list[dict]:
+        """Take one metric record; return the sync records it completes."""
+        source = record.get("source", "")
+        if source.startswith("generator/"):
+            self.last_seen[source] = record.get("time", time.time())
+            if "weights/applied_at" in record:
+                self.serving.setdefault(source, []).append((record["generator/version"], record["weights/applied_at"]))
+        if "time/step_end_at" in record:
+            version = record["learner/version"]
+            self.step_end[version] = record["time/step_end_at"]
+            self.done.discard(version)  # a learner restart makes this version again
+        return self.complete(record.get("time", time.time()))
+
+    def complete(self, now: float) -> list[dict]:
+        live = [g for g, t in self.last_seen.items() if now - t < self.live_s and g in self.serving]
+        out = []
+        for version, end in sorted(self.step_end.items()):
+            if version in self.done or not live:
+                continue
+            served = [min((t for v, t in self.serving[g] if v >= version and t >= end), default=None) for g in live]
+            if any(t is None for t in served):
+                continue
+            self.done.add(version)
+            out.append({"weights/version": version, "weights/sync_seconds": max(served) - end})
+        return out
+
+
 class RunStats:
     """Folds the metric records of every process into the figures of the progress line and summary."""
 
@@ -32,6 +74,8 @@ class RunStats:
         self.error: str | None = None
         self.buffer: dict | None = None  # the buffer's counters at the end (pushed, trained, ..., lost)
         self.restarts: dict[str, int] = {}
+        self.weight_sync = WeightSync()
+        self.sync_seconds: list[float] = []
 
     def drain(self, control, on_eval=None) -> None:
         try:
@@ -41,6 +85,9 @@ class RunStats:
         for record in records:
             self.sink.log(record)
             self._fold(record, on_eval)
+            for sync in self.weight_sync.fold(record):
+                self.sink.log(sync)
+                self.sync_seconds.append(sync["weights/sync_seconds"])
 
     def _fold(self, record: dict, on_eval) -> None:
         if "learner/version" in record:
@@ -91,6 +138,7 @@ class RunStats:
             "samples_trained": self.samples,
             "dropped_stale": self.dropped_stale,
             "evals": {str(k): v for k, v in sorted(self.evals.items())},
+            "weights_sync_seconds": _quantiles(self.sync_seconds),
             "buffer": self.buffer,
             "restarts": self.restarts,
             "wall_seconds": time.time() - self.started,
@@ -103,6 +151,17 @@ class RunStats:
         summary = self.summary(exit_reason)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def _quantiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"median": pick(0.5), "p90": pick(0.9), "max": ordered[-1], "versions": len(ordered)}
 
 
 class Progress:

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import Config
-from asyncrl.generators.engine import Completion, Engine, Sampling
+from asyncrl.generators.engine import Completion, Engine, OnUpdate, Sampling, WeightUpdates
 
 
 class HfEngine(Engine):
@@ -20,7 +20,15 @@ class HfEngine(Engine):
         self.generator = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: Sampling,
+        version: int = 0,
+        updates: WeightUpdates | None = None,
+        on_update: OnUpdate = "wait",
+    ) -> list[list[Completion]]:
+        """Always ``wait``: weights change only between calls (config validation refuses the others)."""
         flat = [p for p in prompts for _ in range(sampling.n)]
         width = max(len(p) for p in flat)
         # left-pad so every row continues at the same position
@@ -55,7 +63,7 @@ class HfEngine(Engine):
             step_ids = nxt[:, None]
             attn = torch.cat([attn, torch.ones_like(step_ids)], dim=1)
         comps = [
-            Completion(t, lp, "stop" if t and t[-1] == self.eos_id else "length")
+            Completion(t, lp, "stop" if t and t[-1] == self.eos_id else "length", [version] * len(t))
             for t, lp in zip(out_tokens, out_lps, strict=True)
         ]
         return [comps[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompts))]

@@ -1,7 +1,9 @@
 """One generator process: the loop that turns prompts into scored trajectory groups.
 
 Each pass of the loop, between engine calls:
-  1. weights  - apply the newest verified version from the weight bus (never a partial one)
+  1. weights  - apply the newest verified version from the weight bus (never a partial one); with
+                ``generator.on_weight_update`` continue | abort the engine also polls for new
+                weights between its steps, and tokens carry the version that produced each
   2. eval     - if this version is due for a greedy held-out evaluation and no other generator
                 claimed it, run it
   3. admit    - claim up to ``groups_in_flight`` groups under admission control, keyed on the
@@ -56,6 +58,8 @@ class Generator:
         self.eval_records = load_jsonl(cfg.data.eval)[: cfg.data.eval_size] if cfg.data.eval else []
         self.reward_fn = import_by_path(cfg.data.reward)
         self.version = 0  # the weights on disk are version 0
+        self.subscriber = None  # set by run(); the engine polls it between steps (WeightUpdates)
+        self._pending = None  # the update poll() handed to the engine, until it is applied
         self.due_evals = eval_versions(cfg) if cfg.generator.eval else set()
         self.sampling = Sampling(
             n=cfg.generator.n_samples,
@@ -71,13 +75,31 @@ class Generator:
             return
         t0 = time.perf_counter()
         self.engine.load_weights(update.tensors)
+        self._applied(update, time.perf_counter() - t0)
+
+    # WeightUpdates: what the engine calls between its steps (on_update continue | abort)
+    def poll(self):
+        update = self.subscriber.poll(0) if self.subscriber is not None else None
+        if update is None or update.version <= self.version:
+            return None
+        self._pending = update
+        return update.version, update.tensors
+
+    def applied(self, version: int, seconds: float) -> None:
+        update, self._pending = self._pending, None
+        assert update is not None and update.version == version
+        self._applied(update, seconds)
+
+    def _applied(self, update, seconds: float) -> None:
         self.version = update.version
         self.control.heartbeat("generator", self.ident, version=self.version, checksum=update.checksum, pid=os.getpid())
         self.metrics.log(
             {
                 "generator/version": self.version,
-                "weights/apply_seconds": time.perf_counter() - t0,
+                "weights/apply_seconds": seconds,
                 "weights/receive_to_apply_seconds": time.time() - update.received_at,
+                "weights/published_at": update.published_at,
+                "weights/applied_at": time.time(),
                 "weights/bytes": update.nbytes,
             }
         )
@@ -91,7 +113,7 @@ class Generator:
         t0 = time.perf_counter()
         prompts = [self.tok.encode(r["prompt"]) for r in self.eval_records]
         greedy = Sampling(n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.sampling.max_new_tokens)
-        outs = self.engine.generate(prompts, greedy)
+        outs = self.engine.generate(prompts, greedy, self.version)
         rewards = [self._score(r, o[0].tokens) for r, o in zip(self.eval_records, outs, strict=True)]
         record = {
             "eval/version": self.version,
@@ -121,7 +143,9 @@ class Generator:
         claims = [prompt_for_sequence(s, len(self.records), self.cfg.run.seed) for s in seqs]
         prompts = [self.tok.encode(self.records[idx]["prompt"]) for _, idx in claims]
         t0 = time.perf_counter()
-        outs = self.engine.generate(prompts, self.sampling)
+        mode = self.cfg.generator.on_weight_update
+        updates = self if mode != "wait" else None
+        outs = self.engine.generate(prompts, self.sampling, self.version, updates, mode)
         seconds = time.perf_counter() - t0
         groups = []
         for (epoch, idx), prompt, comps in zip(claims, prompts, outs, strict=True):
@@ -129,7 +153,7 @@ class Generator:
                 Sample(
                     tokens=np.asarray(c.tokens, dtype=np.int32),
                     logprobs=np.asarray(c.logprobs, dtype=np.float32),
-                    versions=np.full(len(c.tokens), self.version, dtype=np.int32),
+                    versions=np.asarray(c.versions, dtype=np.int32),
                     reward=self._score(self.records[idx], c.tokens),
                     finish_reason=c.finish_reason,
                 )
@@ -162,6 +186,7 @@ class Generator:
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, subscriber) -> None:
+        self.subscriber = subscriber
         block_ms = self.cfg.buffer.block_ms
         parent = os.getppid()
         while not self.control.stop_requested() and os.getppid() == parent:

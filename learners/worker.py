@@ -145,6 +145,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         # 2-3. loss and step
         t0 = time.perf_counter()
         out, total_tokens, mismatch = train_step(engine, make_batch(groups, cfg, pad_id, version), cfg, world)
+        step_end_at = time.time()
         consumer.trained(batch)
         control.count_staleness(stale)
         t_train = time.perf_counter() - t0
@@ -192,6 +193,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
                 "time/train_s": t_train,
                 "time/publish_s": t_publish,
                 "time/commit_s": t_commit,
+                "time/step_end_at": step_end_at,
             }
             metrics.log(record)
         control.heartbeat("learner", str(rank), version=version + 1, pid=os.getpid())

@@ -121,3 +121,64 @@ def test_generator_serves_the_learners_version(cfg, engine, model_dir, redis_ser
     finally:
         subscriber.close()
         publisher.close()
+
+
+class SwitchAfter:
+    """A subscriber that shows nothing for the first ``polls`` polls, then the real one's newest
+    version (waiting for it): makes the switch land mid-generation, deterministically."""
+
+    def __init__(self, inner, polls: int):
+        self.inner, self.polls = inner, polls
+
+    def poll(self, timeout_ms: int = 0):
+        self.polls -= 1
+        return self.inner.poll(5000) if self.polls < 0 else None
+
+
+@pytest.mark.parametrize("mode", ["continue", "abort"])
+def test_weights_arriving_mid_generation(cfg, engine, model_dir, redis_server, mode):
+    """continue: a trajectory's tokens carry two versions, each token's log-prob is exactly its
+    version's; abort: unfinished samples restart, so every token is of the new version."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.config import load_config
+    from asyncrl.generators.worker import Generator
+
+    cfg = load_config(None, {**cfg.model_dump(), "generator": {**cfg.generator.model_dump(), "on_weight_update": mode}})
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    torch.manual_seed(5)
+    states = {v: {k: t + 0.05 * torch.randn_like(t) for k, t in base.items()} for v in (5, 6)}
+    control = RunControl(connect(redis_server.url), f"test-gen-{mode}:")
+    publisher = setup_publisher(cfg.weights)
+    subscriber = setup_subscriber(cfg.weights, publisher.address, "generator-0", have=0)
+    try:
+        gen = Generator(cfg, "0", engine, MemoryBuffer(), control, AutoTokenizer.from_pretrained(model_dir))
+        publisher.publish(5, states[5])
+        while gen.version != 5:
+            gen.apply_weights(subscriber, timeout_ms=100)
+        publisher.publish(6, states[6])
+        gen.subscriber = SwitchAfter(subscriber, polls=3)  # after the 3rd engine step
+        groups = gen.generate(gen.admit())
+        assert gen.version == 6
+        samples = [(g, s) for g in groups for s in g.samples]
+        assert all(set(s.versions) <= {5, 6} for _, s in samples)
+        if mode == "abort":
+            assert all(set(s.versions) == {6} or s.finish_reason == "stop" for _, s in samples)
+            assert any(set(s.versions) == {6} for _, s in samples)
+        else:
+            mixed = [s for _, s in samples if set(s.versions) == {5, 6}]
+            assert mixed, "no sample was still running at the switch"
+            assert all(np.all(np.diff(s.versions) >= 0) for _, s in samples), "versions only move forward"
+            switched = [g for g in groups if any(set(s.versions) == {5, 6} for s in g.samples)]
+            assert all(g.version == 5 for g in switched), "a trajectory counts as its oldest version"
+        worst = 0.0
+        for g, s in samples:
+            for v in (5, 6):
+                mine = s.versions == v
+                if mine.any():
+                    ref = learner_logprobs(states[v], model_dir, g.prompt_ids, s.tokens)
+                    worst = max(worst, float(np.abs(ref[mine] - s.logprobs[mine]).max()))
+        assert worst < 1e-4, f"vLLM vs learner log-prob max |diff| {worst}"
+    finally:
+        subscriber.close()
+        publisher.close()

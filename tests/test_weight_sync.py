@@ -1,0 +1,48 @@
+"""``weights/sync_seconds``: learner step end to every live generator serving that version."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.launch_progress import WeightSync
+
+
+def step(version: int, end: float) -> dict:
+    return {"source": "learner/0", "time": end + 0.1, "learner/version": version, "time/step_end_at": end}
+
+
+def applied(gen: int, version: int, at: float) -> dict:
+    return {"source": f"generator/{gen}", "time": at, "generator/version": version, "weights/applied_at": at}
+
+
+def test_waits_for_every_live_generator_and_counts_skipped_versions() -> None:
+    sync = WeightSync(live_s=30)
+    assert sync.fold(applied(0, 0, 0.0)) == []
+    assert sync.fold(applied(1, 0, 0.0)) == []
+    assert sync.fold(step(1, 10.0)) == []
+    assert sync.fold(applied(0, 1, 10.5)) == []  # generator 1 does not serve 1 yet
+    assert sync.fold(step(2, 11.0)) == []
+    # generator 1 skips version 1 (newest wins): serving 2 covers both
+    out = sync.fold(applied(1, 2, 11.25))
+    assert out == [{"weights/version": 1, "weights/sync_seconds": 1.25}]
+    out = sync.fold(applied(0, 2, 11.5))
+    assert out == [{"weights/version": 2, "weights/sync_seconds": 0.5}]
+
+
+def test_a_dead_generator_does_not_hold_the_figure_back() -> None:
+    sync = WeightSync(live_s=5)
+    sync.fold(applied(0, 0, 0.0))
+    sync.fold(applied(1, 0, 0.0))
+    sync.fold(step(1, 10.0))
+    out = sync.fold(applied(0, 1, 10.2))  # generator 1 silent for 10 s: gone
+    assert [r["weights/version"] for r in out] == [1]
+    assert out[0]["weights/sync_seconds"] == pytest.approx(0.2)
+
+
+def test_a_version_made_again_after_a_learner_restart_is_measured_again() -> None:
+    sync = WeightSync()
+    sync.fold(applied(0, 0, 0.0))
+    sync.fold(step(1, 1.0))
+    assert len(sync.fold(applied(0, 1, 1.5))) == 1
+    sync.fold(step(1, 5.0))  # restarted from version 0
+    assert sync.fold(applied(0, 1, 5.25)) == [{"weights/version": 1, "weights/sync_seconds": 0.25}]
