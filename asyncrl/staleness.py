@@ -36,9 +36,10 @@ def admission_limit(serving_version: int, max_policy_lag: int, groups_per_step: 
 
 
 def may_start_group(serving_version: int, live_started: int, max_policy_lag: int, groups_per_step: int) -> bool:
-    """Admission control. ``live_started`` counts groups started minus groups dropped as stale
+    """Admission control. ``live_started`` counts groups holding a slot (``buffers.base.live_groups``):
 
-    (a dropped group gives its slot back, or a learner that needs fresh groups could wait forever).
+    started and replayed, minus those that never reach a gradient (dropped as stale, filtered, dead,
+    abandoned), which give their slot back, or a learner that needs fresh groups could wait forever.
     """
     return live_started < admission_limit(serving_version, max_policy_lag, groups_per_step)
 

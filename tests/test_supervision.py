@@ -14,17 +14,9 @@ from pathlib import Path
 import pytest
 from demo_launch import ROOT, demo_launch_cmd
 
+from asyncrl.status import pid_alive
+
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[1][0] != "Z"
 
 
 def latest_version(run_dir: Path) -> int:
@@ -89,7 +81,7 @@ def test_generator_restart_and_ctrl_c(tmp_path):
     assert "Traceback" not in out
     info = json.loads((run_dir / "run.json").read_text())
     pids = [*info["pids"].values(), info["redis_pid"], victim]
-    assert not [p for p in pids if alive(p)], "processes left running after Ctrl-C"
+    assert not [p for p in pids if pid_alive(p)], "processes left running after Ctrl-C"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_reason"] == "interrupted" and summary["final_version"] >= reached + 5
     assert latest_version(run_dir) == summary["final_version"]  # metrics were flushed
@@ -132,5 +124,5 @@ def test_a_dead_learner_stops_the_run_with_a_clear_error(tmp_path):
     errors = [line for line in err.splitlines() if line.startswith("asyncrl: error: ")]
     assert errors and errors[0].startswith("asyncrl: error: learner-1 exited with code -9"), err[-2000:]
     pids = [*info["pids"].values(), info["redis_pid"]]
-    assert not [p for p in pids if alive(p)], "processes left running after a learner died"
+    assert not [p for p in pids if pid_alive(p)], "processes left running after a learner died"
     assert json.loads((run_dir / "summary.json").read_text())["exit_reason"] == "failed"

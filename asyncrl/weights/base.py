@@ -23,6 +23,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("asyncrl.weights")
 
 
+def check_publish(version: int, last_version: int | None, closing: bool = False) -> None:
+    """What every transport's ``publish`` refuses: a closed publisher, a version not newer."""
+    if closing:
+        raise RuntimeError("publish on a closed weight publisher")
+    if last_version is not None and version <= last_version:
+        raise ValueError(f"version {version} is not newer than {last_version}")
+
+
 class WeightPublisher(abc.ABC):
     """Learner rank 0's end: hands each new version to every subscriber, newest wins."""
 

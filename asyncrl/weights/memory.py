@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from asyncrl.weights.base import VerifyingSubscriber, WeightPublisher
+from asyncrl.weights.base import VerifyingSubscriber, WeightPublisher, check_publish
 from asyncrl.weights.wire import seal, snapshot
 
 if TYPE_CHECKING:
@@ -94,8 +94,7 @@ class MemoryWeightPublisher(WeightPublisher):
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         if self._closed:
             raise RuntimeError("publish on a closed weight publisher")
-        if self._last_version is not None and version <= self._last_version:
-            raise ValueError(f"version {version} is not newer than {self._last_version}")
+        check_publish(version, self._last_version)
         self._last_version = version
         self.bus._deliver(version, seal(snapshot(version, state_dict, self.bus.bucket_bytes)))
         self._versions += 1

@@ -83,7 +83,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from asyncrl.weights.base import WeightPublisher, WeightSubscriber, log
+from asyncrl.weights.base import WeightPublisher, WeightSubscriber, check_publish, log
 from asyncrl.weights.wire import (
     _DTYPES,
     ALIGN,
@@ -189,10 +189,7 @@ class ShmWeightPublisher(WeightPublisher):
 
     # --- caller side ---------------------------------------------------------------------------
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        if self._closing:
-            raise RuntimeError("publish on a closed weight publisher")
-        if self._last_version is not None and version <= self._last_version:
-            raise ValueError(f"version {version} is not newer than {self._last_version}")
+        check_publish(version, self._last_version, self._closing)
         t0 = time.perf_counter()
         entries, buckets, data_end = _layout(state_dict, self.bucket_bytes)
         f = self._acquire(data_end)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import msgpack
 import zmq
 
-from asyncrl.weights.base import VerifyingSubscriber, WeightPublisher, log
+from asyncrl.weights.base import VerifyingSubscriber, WeightPublisher, check_publish, log
 from asyncrl.weights.wire import Snapshot, seal, snapshot
 
 if TYPE_CHECKING:
@@ -100,10 +100,7 @@ class ZmqWeightPublisher(WeightPublisher):
 
     # --- caller side ---------------------------------------------------------------------------
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        if self._closing:
-            raise RuntimeError("publish on a closed weight publisher")
-        if self._last_version is not None and version <= self._last_version:
-            raise ValueError(f"version {version} is not newer than {self._last_version}")
+        check_publish(version, self._last_version, self._closing)
         snap = snapshot(version, state_dict, self.bucket_bytes)
         with self._lock:
             self._pending = snap
