@@ -327,7 +327,9 @@ def test_sigkilled_subscriber_does_not_block_the_publisher(root):
             child.wait(timeout=10)
             created = pub.stats()["files_created"]
             assert publish_all(range(8, 20)) < 3.0
-            assert pub.stats()["files_created"] <= created + 1, "files are reused once nobody maps them"
+            # At most three files are ever in use (live, sealing, being written) and at least the live
+            # one exists after the kill: twelve versions need at most two new files if files are reused.
+            assert pub.stats()["files_created"] <= created + 2, "files are reused once nobody maps them"
             assert pub.stats()["spares"] <= 2
             late = ShmWeightSubscriber(pub.address, "late")
             update = wait_version(late, 19)

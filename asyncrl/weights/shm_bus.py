@@ -12,8 +12,8 @@ Address: ``shm://<dir>``, the publisher's private directory ``<root>/asyncrl-w-<
 
 A version file (little-endian; no pickle)::
 
-    [0, 64)          header: magic b"asyncrl.shmw/1\\0\\0", u64 manifest_offset, u64 manifest_nbytes,
-                     16-byte blake2b of the manifest, u64 version, u64 file_nbytes
+    [0, 64)          header: magic b"asyncrl.shmw/2\\0\\0", u64 manifest_offset, u64 manifest_nbytes,
+                     16-byte xxh3-128 of the manifest, u64 version, u64 file_nbytes
     [4096, ...)      buckets, each page-aligned; inside a bucket tensors sit at multiples of 64
                      (the bucket plan of ``asyncrl.weights.wire``)
     [manifest_offset, file_nbytes)  msgpack manifest: the wire manifest, except that "buckets" are
@@ -44,14 +44,12 @@ Invariants and concurrency:
   (``state_dict_checksum``, so ``WeightUpdate.checksum`` means what it means over zmq). A
   subscriber always checks what is O(tensors): header, manifest digest and schema, file size,
   bucket and tensor extents, dtype/shape/nbytes agreement, so a truncated or mismatched file is
-  rejected. ``verify="full"`` also re-hashes every byte in every subscriber, O(bytes) each: blake2b
-  runs at 0.5-0.74 GB/s on one core here, and with 515 MB to 8 subscriber processes on 2 cores
-  ``scripts/bench/weights.py`` measured G=8 at 2.5x the time of G=1 with "full" against 1.0x with
-  "structure" (goal: at most 1.5x). The only writer of the file is the publisher, which hashed
-  those very bytes before making the file read-only and visible, so re-hashing buys little: the
-  default is ``"structure"``, and ``"full"`` is for chasing a suspected corruption. The
-  publisher's hash is the floor of a version's latency (0.7-1 s per 500 MB here against a 0.09 s
-  memcpy; the copy itself is ~0.1 s). A rejected version is logged, counted in ``rejected`` and
+  rejected. ``verify="full"`` also re-hashes every byte in every subscriber, O(bytes) each
+  (xxh3-128, about 10 GB/s on one core here). The only writer of the file is the publisher, which
+  hashed those very bytes before making the file read-only and visible, so re-hashing buys little:
+  the default is ``"structure"``, and ``"full"`` is for chasing a suspected corruption. A version's
+  latency is the copy (~0.1 s per 500 MB here, memcpy speed into reused pages) plus the
+  publisher's hash (~0.05 s). A rejected version is logged, counted in ``rejected`` and
   never retried; the previous version stays current.
 - Lifetime. At most one ``v*.wts`` is visible; retired files are renamed away at once and reused
   or unlinked (an unlinked file stays valid while mapped). ``close`` removes the directory, and so
@@ -64,7 +62,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
 import json
 import mmap
 import os
@@ -85,18 +82,18 @@ import zmq
 
 from asyncrl.weights.base import WeightPublisher, WeightSubscriber, check_publish, log
 from asyncrl.weights.wire import (
-    _DTYPES,
     ALIGN,
     WIRE_HEADER,
     WeightsRejected,
     WeightUpdate,
     _check_entry,
-    _digest,
-    _plan,
-    _view,
+    checksums,
     peek_version,
+    plan,
+    tensor_digest,
+    tensor_views,
 )
-from asyncrl.weights.zmq_bus import _context
+from asyncrl.weights.zmq_bus import bus_context
 
 if TYPE_CHECKING:
     import torch
@@ -104,7 +101,7 @@ if TYPE_CHECKING:
 SCHEME = "shm://"
 DEFAULT_ROOT = "/dev/shm"
 DIR_PREFIX = "asyncrl-w-"
-MAGIC = b"asyncrl.shmw/1\0\0"
+MAGIC = b"asyncrl.shmw/2\0\0"
 _HEADER = struct.Struct("<16sQQ16sQQ")  # magic, manifest offset, manifest nbytes, digest, version, file nbytes
 _DATA_START = 4096  # buckets start on a page: the header never shares a page with tensor bytes
 _PAGE = 4096
@@ -129,7 +126,7 @@ def _layout(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[lis
     """Manifest tensor entries, bucket placement in the file, and the end of the data region."""
     if not all(isinstance(k, str) for k in state_dict):
         raise TypeError("state dict names must be strings")
-    entries, sizes = _plan(state_dict, bucket_bytes)
+    entries, sizes = plan(state_dict, bucket_bytes)
     buckets, offset = [], _DATA_START
     for n in sizes:
         buckets.append({"offset": offset, "nbytes": n})
@@ -165,7 +162,7 @@ class ShmWeightPublisher(WeightPublisher):
         owner = {"pid": os.getpid(), "start": _start_time(os.getpid())}
         (self.dir / "owner.json").write_text(json.dumps(owner))
         self.address = f"{SCHEME}{self.dir}"
-        self._pub = _context().socket(zmq.PUB)
+        self._pub = bus_context().socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 4)  # wake-ups only: dropping some is harmless
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(f"ipc://{self.dir}/announce")  # from here on only the thread touches it
@@ -291,7 +288,7 @@ class ShmWeightPublisher(WeightPublisher):
         f = p.file
         data = memoryview(f.mm)
         views = [data[b["offset"] : b["offset"] + b["nbytes"]] for b in p.buckets]
-        checksum = _digest((e["name"], e["dtype"], e["shape"], _view(e, views)) for e in p.entries)
+        _, checksum = checksums(p.entries, views)
         del views, data  # the mapping must have no exports when it is next resized
         manifest = msgpack.packb(
             {
@@ -306,7 +303,7 @@ class ShmWeightPublisher(WeightPublisher):
         end = moff + len(manifest)
         os.ftruncate(f.fd, end)
         os.pwrite(f.fd, manifest, moff)
-        digest = hashlib.blake2b(manifest, digest_size=16).digest()
+        digest = tensor_digest(manifest)
         f.mm[: _HEADER.size] = _HEADER.pack(MAGIC, moff, len(manifest), digest, p.version, end)
         os.fchmod(f.fd, 0o444)
         fcntl.flock(f.fd, fcntl.LOCK_UN)  # complete: a reader that opened this inode earlier may read it
@@ -388,7 +385,7 @@ class ShmWeightSubscriber(WeightSubscriber):
         self.rejected = 0
         self.verify = verify
         self._bad: set[int] = set()  # rejected versions: never retried
-        self._sock = _context().socket(zmq.SUB)
+        self._sock = bus_context().socket(zmq.SUB)
         self._sock.setsockopt(zmq.CONFLATE, 1)  # one pending wake-up is as good as many
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -489,7 +486,7 @@ def _read_manifest(fd: int, header: bytes, size: int, version: int) -> tuple[dic
     if not _DATA_START <= moff <= moff + mlen == end:
         raise WeightsRejected(f"manifest at [{moff}, +{mlen}) does not end the {end}-byte file")
     raw = os.pread(fd, mlen, moff)
-    if hashlib.blake2b(raw, digest_size=16).digest() != digest:
+    if tensor_digest(raw) != digest:
         raise WeightsRejected("manifest digest mismatch")
     got, manifest = peek_version([WIRE_HEADER, raw])
     if got != hversion or got != version:
@@ -520,19 +517,12 @@ def _build(manifest: dict, data_end: int, mm: mmap.mmap, verify: str) -> WeightU
         _check_entry(e, views, seen)
     entries = sorted(manifest["tensors"], key=lambda e: e["name"])
     if verify == "full":
-        checksum = _digest((e["name"], e["dtype"], e["shape"], _view(e, views)) for e in entries)
+        _, checksum = checksums(entries, views)
         if checksum != manifest["checksum"]:
             raise WeightsRejected("state dict checksum mismatch")
     del views, data
-    base = torch.frombuffer(mm, dtype=torch.uint8) if len(mm) else None
-    tensors: dict[str, torch.Tensor] = {}
-    for e in entries:
-        dtype = _DTYPES[e["dtype"]]
-        if e["nbytes"]:
-            start = manifest["buckets"][e["bucket"]]["offset"] + e["offset"]
-            tensors[e["name"]] = base[start : start + e["nbytes"]].view(dtype).view(e["shape"])
-        else:
-            tensors[e["name"]] = torch.empty(e["shape"], dtype=dtype)
+    base = torch.frombuffer(mm, dtype=torch.uint8) if len(mm) else torch.empty(0, dtype=torch.uint8)
+    tensors = tensor_views(entries, [base[b["offset"] : b["offset"] + b["nbytes"]] for b in manifest["buckets"]])
     return WeightUpdate(
         version=manifest["version"],
         tensors=tensors,

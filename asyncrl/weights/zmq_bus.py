@@ -16,7 +16,7 @@ subscriber) drops that send and retries the newest version every ``_RETRY_MS``; 
 are zero-copy and shared by all sends, a version's memory exists once however many subscribers
 hold it. A subscriber that says hello gets the newest version at once. ``close`` returns at once;
 a version still being written to a slow subscriber finishes (or is dropped when that peer
-leaves) in ZeroMQ's background thread (see ``_context`` for why the linger is infinite).
+leaves) in ZeroMQ's background thread (see ``bus_context`` for why the linger is infinite).
 
 Subscribers re-send hello after ``rehello_s`` without traffic, so a restarted publisher at the
 same address learns about them. A routing id (one per connection) that was already sent the newest
@@ -37,7 +37,7 @@ import msgpack
 import zmq
 
 from asyncrl.weights.base import VerifyingSubscriber, WeightPublisher, check_publish, log
-from asyncrl.weights.wire import Snapshot, seal, snapshot
+from asyncrl.weights.wire import BucketPool, Snapshot, seal, snapshot
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,7 @@ _IDLE_MS = 500
 _CONTEXT: tuple[int, zmq.Context] | None = None  # (pid, context): a forked child makes its own
 
 
-def _context() -> zmq.Context:
+def bus_context() -> zmq.Context:
     """The bus's own ZeroMQ context, never terminated (nothing may block on it at exit).
 
     The ROUTER closes with infinite linger, which is only safe on a context nobody terminates:
@@ -77,15 +77,16 @@ class _Peer:
 class ZmqWeightPublisher(WeightPublisher):
     def __init__(self, address: str = "tcp://127.0.0.1:*", bucket_bytes: int = 64 << 20) -> None:
         self.bucket_bytes = bucket_bytes
-        sock = _context().socket(zmq.ROUTER)
+        sock = bus_context().socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, _HWM)
-        sock.setsockopt(zmq.LINGER, -1)  # see _context: a finite linger can abort the process
+        sock.setsockopt(zmq.LINGER, -1)  # see bus_context: a finite linger can abort the process
         sock.bind(address)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock  # from here on only the thread touches it
         self._lock = threading.Lock()
         self._pending: Snapshot | None = None
+        self._pool = BucketPool()  # buckets of versions ZeroMQ has finished sending, for reuse
         self._last_version: int | None = None
         self._closing = False
         self._wake_r, self._wake_w = os.pipe()
@@ -93,7 +94,7 @@ class ZmqWeightPublisher(WeightPublisher):
         os.set_blocking(self._wake_w, False)
         # Thread state.
         self._peers: dict[bytes, _Peer] = {}
-        self._newest: tuple[int, list] | None = None
+        self._newest: tuple[int, list, tuple] | None = None  # version, frames, pool release
         self._stats = {"versions": 0, "sends": 0, "deferred": 0}
         self._thread = threading.Thread(target=self._run, name="weights-publisher", daemon=True)
         self._thread.start()
@@ -101,10 +102,12 @@ class ZmqWeightPublisher(WeightPublisher):
     # --- caller side ---------------------------------------------------------------------------
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         check_publish(version, self._last_version, self._closing)
-        snap = snapshot(version, state_dict, self.bucket_bytes)
+        snap = snapshot(version, state_dict, self.bucket_bytes, self._pool)
         with self._lock:
-            self._pending = snap
+            unsent, self._pending = self._pending, snap
             self._last_version = version
+        if unsent is not None:
+            self._pool.give(unsent.buckets)
         self._wake()
 
     def stats(self) -> dict[str, int]:
@@ -157,8 +160,15 @@ class ZmqWeightPublisher(WeightPublisher):
         if snap is None or self._closing:
             return
         frames = seal(snap)
-        # Bucket frames wrap the snapshot's arrays without copying; every send shares them.
-        self._newest = (snap.version, [zmq.Frame(f, copy=False) for f in frames])
+        # Bucket frames wrap the snapshot's arrays without copying; every send shares them. Once
+        # a newer version replaces them and ZeroMQ has written the last send, their trackers are
+        # done and the arrays go back to the pool.
+        buckets = [zmq.Frame(f, copy=False, track=True) for f in frames[2:]]
+        if self._newest is not None:
+            self._pool.give(*self._newest[2])
+        trackers = [f.tracker for f in buckets]
+        released = (snap.buckets, lambda: all(t.done for t in trackers))
+        self._newest = (snap.version, [zmq.Frame(f) for f in frames[:2]] + buckets, released)
         self._stats["versions"] += 1
 
     def _handle_control(self) -> None:
@@ -191,7 +201,7 @@ class ZmqWeightPublisher(WeightPublisher):
     def _send_lagging(self) -> None:
         if self._newest is None:
             return
-        version, frames = self._newest
+        version, frames, _ = self._newest
         for ident, peer in list(self._peers.items()):
             if peer.sent >= version:
                 continue
@@ -215,7 +225,7 @@ class ZmqWeightSubscriber(VerifyingSubscriber):
         super().__init__(subscriber_id, have)
         self.address = address
         self.rehello_s = rehello_s
-        self._sock = _context().socket(zmq.DEALER)
+        self._sock = bus_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
         self._sock.setsockopt(zmq.SNDHWM, 16)
         self._sock.setsockopt(zmq.LINGER, 200)  # lets "bye" leave after close

@@ -2,13 +2,13 @@
 shm, against a plain memory copy of the same bytes.
 
 G subscriber processes (spawned once and reused) subscribe to a fresh publisher per (transport, G);
-after untimed warm-up (shm: two versions, which create the files later ones reuse; zmq: until
-every subscriber's hello arrived), each timed version runs from the ``publish()`` call to the moment
+after two untimed versions (they create the shm files, or the zmq bucket arrays, that later
+versions reuse), each timed version runs from the ``publish()`` call to the moment
 the LAST subscriber's ``poll`` returned it with usable tensors (each subscriber stamps
 ``time.perf_counter()``, CLOCK_MONOTONIC, which is system-wide on Linux, and reports it through a
 pipe); the median over ``--reps`` versions is reported. ``--apply`` makes every subscriber also copy
 the version into its own preallocated tensors before stamping, as a CPU engine loading the weights
-would (one thread each; allocated at the first version, which is then untimed for zmq too). memcpy is the best of a
+would (one thread each; allocated at the first, untimed, version). memcpy is the best of a
 few ``dst.copy_(src)`` of one buffer of the same size into already-faulted memory. With few cores,
 G subscriber processes contend for them (zmq subscribers hash and copy every byte, shm ones do not).
 GB = 1e9 bytes; "GB/s per subscriber" is state bytes over the version's time.
@@ -19,12 +19,13 @@ GB = 1e9 bytes; "GB/s per subscriber" is state bytes over the version's time.
     RESULT zmq_gbps_per_subscriber <GB/s per subscriber over zmq at G=1>
     RESULT shm_g1_over_memcpy <shm time G=1 / memcpy time>
     RESULT zmq_g1_over_memcpy <zmq time G=1 / memcpy time>
+    RESULT zmq_g1_over_raw_zmq <zmq time G=1 / bare libzmq time for the same buckets>
+    RESULT raw_zmq_over_memcpy <bare libzmq time / memcpy time: the floor under zmq_g1_over_memcpy>
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import multiprocessing as mp
 import os
@@ -33,9 +34,11 @@ import tempfile
 import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
+import zmq
 
 from asyncrl.weights import (
     ShmWeightPublisher,
@@ -43,6 +46,7 @@ from asyncrl.weights import (
     ZmqWeightPublisher,
     ZmqWeightSubscriber,
 )
+from asyncrl.weights.wire import snapshot, tensor_digest
 
 BUCKET_BYTES = 64 << 20  # WeightsConfig.bucket_mb's default
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -97,6 +101,44 @@ def smollm2_state() -> dict[str, torch.Tensor] | None:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
+# --- the floor of the zmq transport -----------------------------------------------------------------
+class RawZmqPublisher:
+    """The same buckets through a bare PUSH socket: no manifest, checksums or copies (measured only
+    for G = 1). Its time is what libzmq itself costs on this machine, the floor under our zmq bus."""
+
+    def __init__(self, address: str) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.PUSH)
+        self._sock.bind(address)
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._buckets: list | None = None
+
+    def publish(self, version: int, state: dict) -> None:
+        if self._buckets is None:
+            self._buckets = snapshot(version, state, BUCKET_BYTES).buckets
+        self._sock.send_multipart([str(version).encode(), *self._buckets], copy=False)
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class RawZmqSubscriber:
+    def __init__(self, address: str) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock.connect(address)
+
+    def poll(self, timeout_ms: int):
+        if not self._sock.poll(timeout_ms):
+            return None
+        frames = self._sock.recv_multipart(copy=False)
+        return SimpleNamespace(version=int(frames[0].bytes), tensors={})
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
 # --- subscriber processes ---------------------------------------------------------------------------
 def subscriber_main(conn: Connection, index: int) -> None:
     """Commands: ("sub", transport, address, verify, apply), ("unsub",), ("exit",). Reports
@@ -110,6 +152,8 @@ def subscriber_main(conn: Connection, index: int) -> None:
                 _, transport, address, verify, apply = cmd
                 if transport == "shm":
                     sub = ShmWeightSubscriber(address, f"bench{index}", verify=verify)
+                elif transport == "zmq-raw":
+                    sub = RawZmqSubscriber(address)
                 else:
                     sub = ZmqWeightSubscriber(address, f"bench{index}")
             elif sub is not None:
@@ -187,14 +231,16 @@ def memcpy_s(nbytes: int, tries: int = 5) -> float:
 def hash_s(nbytes: int) -> float:
     buf = np.ones(nbytes, np.uint8)
     t0 = time.perf_counter()
-    hashlib.blake2b(buf, digest_size=16).digest()
+    tensor_digest(buf)
     return time.perf_counter() - t0
 
 
 def make_publisher(transport: str, zmq_kind: str, tmp: str):
     if transport == "shm":
         return ShmWeightPublisher(bucket_bytes=BUCKET_BYTES)
-    address = "tcp://127.0.0.1:*" if zmq_kind == "tcp" else f"ipc://{tmp}/bench.sock"
+    address = "tcp://127.0.0.1:*" if zmq_kind == "tcp" else f"ipc://{tmp}/bench-{transport}.sock"
+    if transport == "zmq-raw":
+        return RawZmqPublisher(address)
     return ZmqWeightPublisher(address, bucket_bytes=BUCKET_BYTES)
 
 
@@ -203,9 +249,9 @@ def run_case(subs: Subscribers, state: dict, transport: str, g: int, args, tmp: 
     pub = make_publisher(transport, args.zmq, tmp)
     try:
         subs.command(g, ("sub", transport, pub.address, args.shm_verify, args.apply))
-        # Untimed warm-up: shm's first two versions create the files that later ones reuse; zmq only
-        # needs every subscriber's hello to have arrived.
-        warmup = 2 if transport == "shm" else int(args.apply)
+        # Untimed warm-up: the first two versions create the shm files, or zmq's bucket arrays, that
+        # later versions reuse (steady state is what a training run sees).
+        warmup = 2
         deadline = time.monotonic() + 30
         while pub.stats().get("subscribers", g) < g and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -227,7 +273,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=500, help="size of the synthetic state dict (MiB)")
     ap.add_argument("--reps", type=int, default=3, help="timed versions per (transport, G); median")
     ap.add_argument("--groups", default="1,2,4,8", help="subscriber counts G")
-    ap.add_argument("--transports", default="shm,zmq")
+    ap.add_argument("--transports", default="shm,zmq,zmq-raw", help="zmq-raw: bare libzmq, G = 1 only")
     ap.add_argument("--zmq", choices=["tcp", "ipc"], default="tcp", help="zmq over tcp loopback or ipc")
     ap.add_argument("--shm-verify", choices=["structure", "full"], default="structure")
     ap.add_argument("--apply", action="store_true", help="subscribers copy each version into their own tensors")
@@ -247,8 +293,8 @@ def main() -> None:
     )
     memcpy = memcpy_s(nbytes)
     print(f"memcpy: {memcpy:.3f}s ({nbytes / memcpy / 1e9:.2f} GB/s)")
-    blake = hash_s(nbytes)
-    print(f"blake2b of as many bytes (the wire checksum, one core): {blake:.3f}s ({nbytes / blake / 1e9:.2f} GB/s)")
+    hashed = hash_s(nbytes)
+    print(f"xxh3-128 of as many bytes (the wire checksum, one core): {hashed:.3f}s ({nbytes / hashed / 1e9:.2f} GB/s)")
 
     subs = Subscribers(max(groups))
     results: dict[tuple[str, int], float] = {}
@@ -256,7 +302,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="wbench", dir="/tmp") as tmp:
             for transport in transports:
-                for g in groups:
+                for g in [1] if transport == "zmq-raw" else groups:
                     s, stats = run_case(subs, state, transport, g, args, tmp)
                     results[transport, g] = s
                     extra = {k: v for k, v in stats.items() if k in ("copy_ms", "seal_ms", "files_created")}
@@ -276,6 +322,9 @@ def main() -> None:
         print(f"RESULT shm_g1_over_memcpy {results['shm', 1] / memcpy:.3f}")
     if ("zmq", 1) in results:
         print(f"RESULT zmq_g1_over_memcpy {results['zmq', 1] / memcpy:.3f}")
+    if ("zmq", 1) in results and ("zmq-raw", 1) in results:
+        print(f"RESULT zmq_g1_over_raw_zmq {results['zmq', 1] / results['zmq-raw', 1]:.3f}")
+        print(f"RESULT raw_zmq_over_memcpy {results['zmq-raw', 1] / memcpy:.3f}")
 
 
 if __name__ == "__main__":
