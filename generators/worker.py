@@ -60,6 +60,7 @@ class Generator:
         self.version = 0  # the weights on disk are version 0
         self.subscriber = None  # set by run(); the engine polls it between steps (WeightUpdates)
         self._pending = None  # the update poll() handed to the engine, until it is applied
+        self._rejected = 0  # versions the subscriber rejected so far (metric weights/rejected)
         self.due_evals = eval_versions(cfg) if cfg.generator.eval else set()
         self.sampling = Sampling(
             n=cfg.generator.n_samples,
@@ -71,6 +72,7 @@ class Generator:
     # -- phases ------------------------------------------------------------------------------------
     def apply_weights(self, subscriber, timeout_ms: int = 0) -> None:
         update = subscriber.poll(timeout_ms)
+        self._count_rejections(subscriber)
         if update is None or update.version <= self.version:
             return
         t0 = time.perf_counter()
@@ -79,7 +81,10 @@ class Generator:
 
     # WeightUpdates: what the engine calls between its steps (on_update continue | abort)
     def poll(self):
-        update = self.subscriber.poll(0) if self.subscriber is not None else None
+        if self.subscriber is None:
+            return None
+        update = self.subscriber.poll(0)
+        self._count_rejections(self.subscriber)
         if update is None or update.version <= self.version:
             return None
         self._pending = update
@@ -89,6 +94,12 @@ class Generator:
         update, self._pending = self._pending, None
         assert update is not None and update.version == version
         self._applied(update, seconds)
+
+    def _count_rejections(self, subscriber) -> None:
+        """A version that failed verification (the subscriber logged why) becomes a metric."""
+        if subscriber.rejected != self._rejected:
+            self._rejected = subscriber.rejected
+            self.metrics.log({"weights/rejected": self._rejected, "generator/version": self.version})
 
     def _applied(self, update, seconds: float) -> None:
         self.version = update.version

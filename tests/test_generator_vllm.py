@@ -22,6 +22,8 @@ from asyncrl.control import RunControl, connect  # noqa: E402
 from asyncrl.demo_model import build_model, build_tokenizer  # noqa: E402
 from asyncrl.protocol import decode_group  # noqa: E402
 from asyncrl.weights import setup_publisher, setup_subscriber, state_dict_checksum  # noqa: E402
+from asyncrl.weights.memory import MemoryWeightBus  # noqa: E402
+from asyncrl.weights.wire import encode  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
 
@@ -94,6 +96,17 @@ def test_generator_serves_the_learners_version(cfg, engine, model_dir, redis_ser
         assert gen.version == 3
         beat = control.heartbeats("generator")["0"]
         assert beat["checksum"] == state_dict_checksum(state)
+
+        # a corrupted version 4 is rejected: version 3 stays, and the rejection is a metric
+        bus = MemoryWeightBus()
+        bad = [bytes(f) for f in encode(4, state, 1 << 20)]
+        bad[2] = bytes([bad[2][0] ^ 1]) + bad[2][1:]
+        corrupt_sub = bus.subscriber("generator-0", have=3)
+        bus.inject(bad)
+        gen.apply_weights(corrupt_sub, timeout_ms=100)
+        assert gen.version == 3 and corrupt_sub.rejected == 1
+        _, records = control.read_metrics()
+        assert [r["weights/rejected"] for r in records if "weights/rejected" in r] == [1]
 
         # every plain parameter equals the learner's bit for bit (vocab rows padded by vLLM aside)
         plain = engine.plain_params()
