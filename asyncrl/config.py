@@ -150,10 +150,12 @@ class AlgorithmConfig(_Section):
 
 
 class WeightsConfig(_Section):
-    transport: Literal["zmq", "shm"] = Field(
+    transport: Literal["zmq", "shm", "nccl"] = Field(
         "zmq",
-        description="Weight bus transport from learner rank 0 to generators: zmq (tcp/ipc, any host) or shm "
-        "(same host only: each version is written once to shared memory and mapped by every generator).",
+        description="Weight bus transport from learner rank 0 to generators: zmq (tcp/ipc, any host), shm "
+        "(same host only: each version is written once to shared memory and mapped by every generator) or "
+        "nccl (CUDA only: buckets broadcast GPU to GPU over a process group of the learner rank 0 and the "
+        "generators, re-formed whenever one joins or leaves).",
     )
     bucket_mb: int = Field(64, ge=1, description="Bucket size of the bucketed state dict (MiB).")
     shm_dir: str = Field(
@@ -166,8 +168,26 @@ class WeightsConfig(_Section):
         "structure",
         description="transport=shm: what each generator checks. structure: header, manifest, sizes and "
         "extents, O(tensors); the bytes were hashed once by the publisher. full: also re-hash every byte "
-        "in every generator, O(bytes) each (~0.7 s per 500 MB per generator on one core).",
+        "in every generator, O(bytes) each (~0.05 s per 500 MB per generator on one core).",
     )
+    collective_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="transport=nccl: the longest a group formation or one bucket's broadcast may take; a dead "
+        "or stopped generator stalls the others for about this long before the group is re-formed without it.",
+    )
+
+    @model_validator(mode="after")
+    def _nccl_needs_cuda(self) -> WeightsConfig:
+        if self.transport == "nccl":
+            import torch  # only here: importing the config must stay cheap
+
+            if not (torch.cuda.is_available() and torch.distributed.is_nccl_available()):
+                raise ValueError(
+                    "weights.transport=nccl needs CUDA GPUs and a torch build with NCCL; "
+                    "this machine has none: use weights.transport=zmq (any host) or shm (same host)"
+                )
+        return self
 
 
 class Config(_Section):

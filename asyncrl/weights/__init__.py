@@ -12,7 +12,8 @@ Invariants (what generators rely on):
   blocks it, and at most a few versions are held in memory whatever the subscribers do.
 
 Transports: ZeroMQ (``tcp://host:port`` or ``ipc://path``, see ``zmq_bus``), same-host shared
-memory (``shm://<dir>``, see ``shm_bus``) and the in-process stub ``MemoryWeightBus``
+memory (``shm://<dir>``, see ``shm_bus``), GPU-to-GPU NCCL broadcast (``transport="nccl"``, a
+``tcp://`` control address, see ``collective_bus``) and the in-process stub ``MemoryWeightBus``
 (``memory://name``). The wire format is documented in ``wire``.
 
 With shm a version is written once to a tmpfs file that every generator maps: its tensors are
@@ -25,6 +26,7 @@ each generator, whose check is O(tensors); ``shm_bus`` explains why. A launcher 
 from __future__ import annotations
 
 from asyncrl.weights.base import WeightPublisher, WeightSubscriber
+from asyncrl.weights.collective_bus import CollectiveWeightPublisher, CollectiveWeightSubscriber
 from asyncrl.weights.memory import MemoryWeightBus, MemoryWeightPublisher, MemoryWeightSubscriber
 from asyncrl.weights.shm_bus import ShmWeightPublisher, ShmWeightSubscriber, remove_stale_shm
 from asyncrl.weights.wire import (
@@ -38,6 +40,8 @@ from asyncrl.weights.wire import (
 from asyncrl.weights.zmq_bus import ZmqWeightPublisher, ZmqWeightSubscriber
 
 __all__ = [
+    "CollectiveWeightPublisher",
+    "CollectiveWeightSubscriber",
     "WIRE_HEADER",
     "MemoryWeightBus",
     "MemoryWeightPublisher",
@@ -80,6 +84,14 @@ def setup_publisher(cfg_weights, address: str | None = None) -> WeightPublisher:
         return ShmWeightPublisher(root, bucket_bytes=bucket_bytes)
     if cfg_weights.transport == "zmq":
         return ZmqWeightPublisher(address or DEFAULT_ADDRESS, bucket_bytes=bucket_bytes)
+    if cfg_weights.transport == "nccl":
+        return CollectiveWeightPublisher(
+            address or DEFAULT_ADDRESS,
+            backend="nccl",
+            device=_current_cuda_device(),
+            bucket_bytes=bucket_bytes,
+            timeout_s=cfg_weights.collective_timeout_s,
+        )
     raise ValueError(f"unknown weights transport {cfg_weights.transport!r}")
 
 
@@ -92,4 +104,20 @@ def setup_subscriber(cfg_weights, address: str, subscriber_id: str, have: int = 
         return ShmWeightSubscriber(address, subscriber_id, have, verify=cfg_weights.shm_verify)
     if cfg_weights.transport == "zmq":
         return ZmqWeightSubscriber(address, subscriber_id, have)
+    if cfg_weights.transport == "nccl":
+        return CollectiveWeightSubscriber(
+            address,
+            subscriber_id,
+            have,
+            backend="nccl",
+            device=_current_cuda_device(),
+            timeout_s=cfg_weights.collective_timeout_s,
+        )
     raise ValueError(f"unknown weights transport {cfg_weights.transport!r}")
+
+
+def _current_cuda_device():
+    """This process's CUDA device (``torch.cuda.set_device`` / LOCAL_RANK decide which), for nccl."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device())
