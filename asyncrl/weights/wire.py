@@ -214,12 +214,14 @@ class BucketPool:
         self.keep = keep
         self._sets: list[tuple[list[np.ndarray], Callable[[], bool]]] = []
         self._lock = threading.Lock()
+        self.reused = 0  # takes served from the pool
 
     def take(self, sizes: list[int]) -> list[np.ndarray]:
         with self._lock:
             for i, (arrays, free) in enumerate(self._sets):
                 if [a.nbytes for a in arrays] == sizes and free():
                     del self._sets[i]
+                    self.reused += 1
                     return arrays
         return [np.empty(n, np.uint8) for n in sizes]
 

@@ -111,7 +111,7 @@ class ZmqWeightPublisher(WeightPublisher):
         self._wake()
 
     def stats(self) -> dict[str, int]:
-        return {**self._stats, "subscribers": len(self._peers)}
+        return {**self._stats, "subscribers": len(self._peers), "buckets_reused": self._pool.reused}
 
     def close(self) -> None:
         if self._closing:
