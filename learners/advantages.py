@@ -44,6 +44,7 @@ __all__ = [
     "group_stats",
     "grpo",
     "masked_moments",
+    "overlong_penalty",
     "reinforce_pp",
     "reinforce_pp_baseline",
     "rloo",
@@ -129,6 +130,19 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
         running = torch.where(on[:, t], step, running)
         out[:, t] = torch.where(on[:, t], step, 0.0)
     return out
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: float, penalty: float) -> Tensor:
+    """DAPO soft overlong punishment (Yu et al. 2025, eq. 13), added to the outcome reward. (B,) -> (B,).
+
+    With L_cache = buffer * max_len: 0 for |y| <= max_len - L_cache, then linear down to -penalty at
+    |y| = max_len (the generation limit: a truncated response gets the full penalty). buffer = 0: off.
+    """
+    cache = buffer * max_len
+    if cache <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float64)
+    over = (lengths.to(torch.float64) - (max_len - cache)).clamp(min=0.0, max=cache)
+    return -penalty * over / cache
 
 
 def masked_moments(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -47,12 +47,15 @@ def lr_lambda(cfg: Config):
     return factor
 
 
-def build_engine(cfg: Config):
+def build_engine(cfg: Config, model=None, lr: float | None = None):
+    """A DeepSpeed engine with AdamW + schedule around ``model`` (default: the policy at ``model.path``)."""
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay)
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+    lr = cfg.learner.lr if lr is None else lr
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.learner.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,  # we feed whole per-rank batches ourselves
@@ -83,11 +86,17 @@ def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
 COMMITTED = "committed.json"
 
 
-def save_checkpoint(engine, ckpt_dir: Path, version: int, rank_state: dict) -> None:
-    """Save every rank's part of version ``version`` and commit it; older checkpoints are removed."""
+CRITIC_TAG = "critic"  # a critic engine's files: <run>/checkpoint/version-<v>/critic/
+
+
+def save_checkpoint(engine, ckpt_dir: Path, version: int, rank_state: dict, critic=None) -> None:
+    """Save every rank's part of version ``version`` (policy, and critic if any) and commit it; older
+    checkpoints are removed."""
     rank = dist.get_rank()
     tag = f"version-{version}"
     engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+    if critic is not None:
+        critic.save_checkpoint(str(ckpt_dir / tag), tag=CRITIC_TAG, save_latest=False)
     (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
     _write_atomic(ckpt_dir / tag / f"asyncrl-rank{rank}.json", json.dumps(rank_state))
     dist.barrier()  # every rank's files are on disk before the commit names them
@@ -99,8 +108,9 @@ def save_checkpoint(engine, ckpt_dir: Path, version: int, rank_state: dict) -> N
     dist.barrier()
 
 
-def load_committed(engine, ckpt_dir: Path) -> tuple[int, dict] | None:
-    """Restore the committed checkpoint: (its version, this rank's saved state), or None if none."""
+def load_committed(engine, ckpt_dir: Path, critic=None) -> tuple[int, dict] | None:
+    """Restore the committed checkpoint (policy, and critic if any): (its version, this rank's saved
+    state), or None if none."""
     marker = ckpt_dir / COMMITTED
     if not marker.is_file():
         return None
@@ -108,6 +118,10 @@ def load_committed(engine, ckpt_dir: Path) -> tuple[int, dict] | None:
     path, _ = engine.load_checkpoint(str(ckpt_dir), tag=committed["tag"])
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the committed checkpoint {ckpt_dir / committed['tag']}")
+    if critic is not None:
+        path, _ = critic.load_checkpoint(str(ckpt_dir / committed["tag"]), tag=CRITIC_TAG)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the critic of {ckpt_dir / committed['tag']}")
     state_file = ckpt_dir / committed["tag"] / f"asyncrl-rank{dist.get_rank()}.json"
     state = json.loads(state_file.read_text()) if state_file.is_file() else {}
     return int(committed["version"]), state

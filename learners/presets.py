@@ -10,7 +10,7 @@ unclipped RLOO relies on token TIS alone. ``required_inputs`` says what the lear
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from asyncrl.errors import UserError
 from asyncrl.learners.advantages import AdvantageConfig, get_advantage
@@ -19,7 +19,7 @@ from asyncrl.learners.kl import get_kl_estimator
 from asyncrl.learners.loss import _lookup
 from asyncrl.learners.policy_losses import PolicyLossConfig, get_aggregation, get_policy_loss
 
-__all__ = ["KL_PLACEMENTS", "PRESETS", "Preset", "get_preset"]
+__all__ = ["KL_PLACEMENTS", "PRESETS", "Preset", "from_config", "get_preset"]
 
 KL_PLACEMENTS = ("none", "reward", "loss")
 
@@ -50,6 +50,9 @@ class Preset:
     kl_coef: float = 0.0  # beta
     value_clip: float | None = None  # PPO critic: eps_v of value_loss (gae presets only)
     value_coef: float = 0.0  # weight of the critic loss added to the policy loss (gae presets only)
+    overlong_buffer: float = 0.0  # DAPO soft overlong punishment: penalised fraction of max_len (0: off)
+    overlong_penalty: float = 1.0  # the reward penalty at max_len (advantages.overlong_penalty)
+    dynamic_filtering: bool = False  # DAPO: drop groups whose rewards are all equal (done by the buffer)
     advantage_config: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss_config: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     correction_config: CorrectionConfig = field(default_factory=CorrectionConfig)
@@ -64,6 +67,8 @@ class Preset:
             raise UserError(f"unknown KL placement {self.kl_placement!r}; known: {', '.join(KL_PLACEMENTS)}")
         if self.kl_coef < 0:
             raise UserError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if not 0 <= self.overlong_buffer < 1:
+            raise UserError(f"overlong_buffer must lie in [0, 1), got {self.overlong_buffer}")
 
     @property
     def uses_kl(self) -> bool:
@@ -137,8 +142,16 @@ PRESETS: dict[str, Preset] = {
         kl_estimator="k2",
         kl_coef=0.001,
     ),
-    # Yu et al. 2025: clip-higher (0.2 / 0.28), token-mean over the step, no KL.
-    "dapo": _clipped("dapo", "grpo", "token-mean", loss_config=PolicyLossConfig(clip_low=0.2, clip_high=0.28)),
+    # Yu et al. 2025: clip-higher (0.2 / 0.28), token-mean over the step, no KL, dynamic filtering, soft
+    # overlong punishment over the last 20% of the length limit (their 4096 of 20480 tokens).
+    "dapo": _clipped(
+        "dapo",
+        "grpo",
+        "token-mean",
+        loss_config=PolicyLossConfig(clip_low=0.2, clip_high=0.28),
+        overlong_buffer=0.2,
+        dynamic_filtering=True,
+    ),
     # Zheng et al. 2025: sequence-level ratio, eps 3e-4 / 4e-4, anchored on mu, no KL.
     "gspo": Preset(
         name="gspo",
@@ -154,3 +167,58 @@ PRESETS: dict[str, Preset] = {
 def get_preset(name: str) -> Preset:
     """The preset registered under ``name`` (``PRESETS``); UserError listing known names if none."""
     return _lookup(PRESETS, "preset", name)
+
+
+def _set(**fields):
+    """The fields that are not None (config fields left unset keep the preset's value)."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def from_config(algo) -> Preset:
+    """``algorithm`` config section (asyncrl.config.AlgorithmConfig) -> its preset with the overrides applied."""
+    base = get_preset(algo.name)
+    advantage = algo.advantage or base.advantage
+    if algo.normalize_std is not None:
+        if advantage not in ("grpo", "dr_grpo"):
+            raise UserError(f"algorithm.normalize_std applies to the grpo / dr_grpo estimators, not {advantage}")
+        advantage = "grpo" if algo.normalize_std else "dr_grpo"
+    try:
+        adv_cfg = replace(base.advantage_config, **_set(gamma=algo.gamma, lam=algo.lam, eps=algo.adv_eps))
+        loss_cfg = replace(base.loss_config, **_set(clip_low=algo.clip_low, clip_high=algo.clip_high))
+        if algo.dual_clip is not None:
+            loss_cfg = replace(loss_cfg, dual_clip=algo.dual_clip)
+        corr_cfg = replace(
+            base.correction_config,
+            **_set(
+                tis_cap=algo.tis_cap,
+                seq_tis_cap=algo.seq_tis_cap,
+                icepop_low=algo.icepop_low,
+                icepop_high=algo.icepop_high,
+                geo_low=algo.geo_low,
+                geo_high=algo.geo_high,
+                rho_bar=algo.rho_bar,
+                c_bar=algo.c_bar,
+                gamma=algo.gamma,
+            ),
+        )
+    except ValueError as exc:
+        raise UserError(f"algorithm: {exc}") from None
+    pieces = _set(
+        policy_loss=algo.policy_loss,
+        aggregation=algo.aggregation,
+        correction=algo.correction,
+        kl_placement=algo.kl_placement,
+        kl_estimator=algo.kl_estimator,
+        kl_coef=algo.kl_coef,
+        value_clip=algo.value_clip,
+        value_coef=algo.value_coef,
+        overlong_buffer=algo.overlong_buffer,
+        overlong_penalty=algo.overlong_penalty,
+        dynamic_filtering=algo.dynamic_filtering,
+    )
+    preset = replace(
+        base, advantage=advantage, advantage_config=adv_cfg, loss_config=loss_cfg, correction_config=corr_cfg, **pieces
+    )
+    if preset.needs_critic and preset.value_coef <= 0:
+        preset = replace(preset, value_coef=1.0)  # a critic someone asked for by hand is trained
+    return preset

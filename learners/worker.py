@@ -4,9 +4,10 @@ All ranks step in lockstep (the gradient all-reduce is a barrier). Each step, at
   1. collect  - B / L groups for this rank through its BatchConsumer (``buffers/consumer.py``):
                 stale, filtered and undecodable groups are acknowledged with that outcome and do
                 not count; replays fill in when the buffer has too few new groups
-  2. loss     - GRPO advantages per group, learner log-probs, token-TIS-corrected policy gradient,
-                normalised by the global token count so the split across ranks does not matter
-  3. step     - DeepSpeed backward + optimizer step: version v + 1
+  2. loss     - the preset's pieces (``objective.step_loss``): advantages, off-policy correction,
+                policy / KL / value losses, normalised by global counts so the split across ranks
+                does not matter
+  3. step     - DeepSpeed backward + optimizer step (and the critic's, if any): version v + 1
   4. publish  - rank 0 sets the buffer's version and publishes the weights over the weight bus
   5. commit   - every ``learner.checkpoint_every`` versions: a checkpoint, committed, and only then
                 the groups it trained are acknowledged in the buffer
@@ -21,6 +22,7 @@ import argparse
 import logging
 import os
 import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,6 +32,7 @@ from asyncrl import buffers
 from asyncrl.buffers.consumer import BatchConsumer, ConsumerPolicy, StopRequested
 from asyncrl.config import Config, load_config
 from asyncrl.control import RunControl, connect
+from asyncrl.learners.advantages import overlong_penalty
 from asyncrl.learners.engine import (
     build_engine,
     export_hf,
@@ -38,7 +41,10 @@ from asyncrl.learners.engine import (
     load_committed,
     save_checkpoint,
 )
-from asyncrl.learners.loss import PolicyBatch, group_advantages, grpo_tis_loss, pad_batch, sequence_logprobs
+from asyncrl.learners.loss import pad_batch, sequence_logprobs
+from asyncrl.learners.models import build_critic, load_reference, reference_logprobs
+from asyncrl.learners.objective import DistReducer, StepBatch, step_loss
+from asyncrl.learners.presets import Preset, from_config
 from asyncrl.metrics import RedisSink, setup_logging
 from asyncrl.protocol import TrajectoryGroup
 from asyncrl.staleness import staleness
@@ -47,9 +53,8 @@ from asyncrl.weights import setup_publisher
 log = logging.getLogger("asyncrl.learner")
 
 
-def make_batch(groups: list[TrajectoryGroup], cfg: Config, pad_id: int, version: int) -> dict:
-    rewards = torch.tensor(np.stack([g.rewards for g in groups]))  # (G, n)
-    adv = group_advantages(rewards, cfg.algorithm.normalize_std, cfg.algorithm.adv_eps)
+def make_batch(groups: list[TrajectoryGroup], cfg: Config, preset: Preset, pad_id: int, version: int) -> dict:
+    """Padded tensors of this rank's groups: ids, masks, behaviour log-probs, rewards, group ids."""
     seqs = [(g.prompt_ids, s.tokens, s.logprobs) for g in groups for s in g.samples]
     batch = pad_batch(seqs, pad_id)
     # 1.0 where a response token was produced by the version this learner holds (for the mismatch metric)
@@ -58,54 +63,56 @@ def make_batch(groups: list[TrajectoryGroup], cfg: Config, pad_id: int, version:
     for i, (p, versions) in enumerate(rows):
         same[i, p - 1 : p - 1 + len(versions)] = torch.from_numpy((versions == version).astype(np.float32))
     batch["same_version"] = same
-    batch["advantages"] = adv.reshape(-1).to(torch.float32)
+    rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
+    lengths = torch.tensor([len(s.tokens) for g in groups for s in g.samples])
+    shaping = overlong_penalty(lengths, cfg.generator.max_new_tokens, preset.overlong_buffer, preset.overlong_penalty)
+    batch["rewards"] = (rewards + shaping).to(torch.float32)
+    batch["group_ids"] = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
     return batch
 
 
-def _collective_device() -> torch.device:
-    """NCCL reduces only CUDA tensors; gloo only CPU ones."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+@dataclass
+class Models:
+    """What a rank trains and scores with: the policy engine, and what the preset needs besides."""
+
+    policy: object  # DeepSpeed engine around the HF causal LM (the only model published to generators)
+    critic: object | None = None  # DeepSpeed engine around learners.models.ValueModel
+    reference: torch.nn.Module | None = None  # frozen initial policy, for the KL term
 
 
-def global_sum(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(t)
-    return t.tolist()
+def build_models(cfg: Config, preset: Preset) -> Models:
+    policy = build_engine(cfg)
+    critic = build_critic(cfg) if preset.needs_critic else None
+    reference = load_reference(cfg, policy.device) if preset.uses_kl else None
+    return Models(policy, critic, reference)
 
 
-def global_max(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def train_step(engine, batch: dict, cfg: Config, world: int):
-    """Forward, loss, backward, optimizer step. Returns the loss output and global token count."""
+def train_step(models: Models, batch: dict, cfg: Config, preset: Preset, world: int):
+    """Forward, the preset's losses, backward, optimizer step(s). Returns (StepLoss, mismatch sums)."""
+    engine = models.policy
     batch = {k: v.to(engine.device) for k, v in batch.items()}
-    local_tokens = float(batch["response_mask"].sum())
-    (total_tokens,) = global_sum([local_tokens])
+    temperature = cfg.generator.temperature
     logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logprobs = sequence_logprobs(logits, batch["input_ids"], cfg.generator.temperature)
-    policy = PolicyBatch(
-        logprobs=logprobs,
-        behaviour_logprobs=batch["behaviour_logprobs"],
-        advantages=batch["advantages"],
-        mask=batch["response_mask"],
-    )
-    # DeepSpeed averages gradients over ranks; N / L makes the sum the full-batch gradient.
-    out = grpo_tis_loss(policy, cfg.algorithm.tis_cap, total_tokens / world)
-    engine.backward(out.loss)
+    logprobs = sequence_logprobs(logits, batch["input_ids"], temperature)
+    ref = reference_logprobs(models.reference, batch, temperature) if models.reference is not None else None
+    values = models.critic(batch["input_ids"], batch["attention_mask"]) if models.critic is not None else None
+    step = StepBatch(batch["rewards"], batch["group_ids"], batch["response_mask"], batch["behaviour_logprobs"])
+    max_len = cfg.generator.max_new_tokens
+    out = step_loss(preset, step, logprobs, DistReducer(), world, max_len, ref_logprobs=ref, values=values)
+    engine.backward(out.policy_loss)
     engine.step()
+    if out.value_loss is not None:
+        models.critic.backward(out.value_loss)
+        models.critic.step()
     diff = (logprobs.detach() - batch["behaviour_logprobs"]).abs() * batch["same_version"]
     mismatch = (float(diff.sum()), float(batch["same_version"].sum()))
-    return out, total_tokens, mismatch
+    return out, mismatch
 
 
-def restore(engine, consumer: BatchConsumer, cfg: Config, rank: int) -> int:
-    """Resume from the committed checkpoint, if any; take back this rank's pending entries.
-
-    Returns the version to continue from (0 on a fresh start)."""
-    restored = load_committed(engine, cfg.run_dir / "checkpoint")
+def restore(models: Models, consumer: BatchConsumer, cfg: Config, rank: int) -> int:
+    """Resume from the committed checkpoint (policy and critic), if any; take back this rank's pending
+    entries. Returns the version to continue from (0 on a fresh start)."""
+    restored = load_committed(models.policy, cfg.run_dir / "checkpoint", critic=models.critic)
     version, uses = restored if restored is not None else (0, {})
     counts = consumer.recover(version, uses)
     if restored is not None or any(counts.values()):
@@ -122,12 +129,19 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
     from transformers import AutoTokenizer
 
     pad_id = AutoTokenizer.from_pretrained(cfg.model.path).pad_token_id
-    engine = build_engine(cfg)
+    preset = from_config(cfg.algorithm)
+    models = build_models(cfg, preset)
+    engine = models.policy
     metrics = RedisSink(control, f"learner/{rank}")
+    reducer = DistReducer()
     need = cfg.learner.groups_per_step // world
-    consumer = BatchConsumer(buffer, f"rank{rank}", ConsumerPolicy.from_config(cfg))
+    policy = ConsumerPolicy.from_config(cfg)
+    policy = replace(policy, filter_zero_variance=policy.filter_zero_variance or preset.dynamic_filtering)
+    consumer = BatchConsumer(buffer, f"rank{rank}", policy)
     ckpt_dir = cfg.run_dir / "checkpoint"
-    start = restore(engine, consumer, cfg, rank)
+    start = restore(models, consumer, cfg, rank)
+    if rank == 0:
+        log.info("algorithm %s: %s", cfg.algorithm.name, preset)
     publisher = setup_publisher(cfg.weights) if rank == 0 else None
     state = full_state_dict(engine, cfg.learner.zero_stage)
     if publisher is not None:
@@ -144,7 +158,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         stale = [staleness(version, g.version) for g in groups]
         # 2-3. loss and step
         t0 = time.perf_counter()
-        out, total_tokens, mismatch = train_step(engine, make_batch(groups, cfg, pad_id, version), cfg, world)
+        out, mismatch = train_step(models, make_batch(groups, cfg, preset, pad_id, version), cfg, preset, world)
         step_end_at = time.time()
         consumer.trained(batch)
         control.count_staleness(stale)
@@ -159,29 +173,29 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         # 5. commit
         t0 = time.perf_counter()
         if commit_due(cfg, version + 1):
-            save_checkpoint(engine, ckpt_dir, version + 1, consumer.checkpoint_state())
+            save_checkpoint(engine, ckpt_dir, version + 1, consumer.checkpoint_state(), critic=models.critic)
             consumer.commit()
         elif cfg.learner.checkpoint_every == 0 and not cfg.learner.checkpoint:
             consumer.commit()  # nothing to resume from: a step is the only commit point there is
         t_commit = time.perf_counter() - t0
         # metrics: global over ranks
         c = batch.counts
-        local = [out.loss.item(), sum(stale), len(stale), c["stale"], c["dead"], c["filtered"], batch.replays]
-        sums = global_sum([*local, *mismatch])
-        max_stale = global_max(max(stale))
+        local = [sum(stale), len(stale), c["stale"], c["dead"], c["filtered"], batch.replays]
+        samples = [s for g in groups for s in g.samples]
+        mine = [sum(s.reward for s in samples), len(samples), sum(len(s.tokens) for s in samples)]
+        sums = reducer.sum([*local, *mismatch, *mine])
+        (max_stale,) = reducer.max([max(stale)])
         if rank == 0:
-            loss, stale_sum, n_groups, dropped_all, dead_all, filtered_all, replays_all, mm_sum, mm_count = sums
+            stale_sum, n_groups, dropped_all, dead_all, filtered_all, replays_all, mm_sum, mm_count = sums[:8]
+            reward_sum, n_samples, n_tokens = sums[8:]
             record = {
+                **out.metrics,  # the algorithm's: loss, correction, KL, critic
                 "learner/version": version + 1,
-                "learner/loss": loss,
-                "learner/tokens": total_tokens,
+                "learner/tokens": n_tokens,
                 "learner/lr": engine.get_lr()[0],
                 "learner/behaviour_logprob_mismatch": mm_sum / mm_count if mm_count else None,
-                "learner/tis_clip_frac": out.tis_clip_frac,
-                "learner/tis_weight_mean": out.tis_weight_mean,
-                "learner/behaviour_kl": out.behaviour_kl,
-                "learner/reward_mean": float(np.mean([g.rewards.mean() for g in groups])),
-                "learner/samples": n_groups * cfg.generator.n_samples,
+                "learner/reward_mean": reward_sum / n_samples,
+                "learner/samples": n_samples,
                 "learner/wall_seconds": time.time() - t_start,
                 "buffer/staleness_mean": stale_sum / n_groups,
                 "buffer/staleness_max": max_stale,
@@ -201,7 +215,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
     if rank == 0:
         control.set_meta("final_version", cfg.run.steps)
     if cfg.learner.checkpoint:
-        save_checkpoint(engine, ckpt_dir, cfg.run.steps, consumer.checkpoint_state())
+        save_checkpoint(engine, ckpt_dir, cfg.run.steps, consumer.checkpoint_state(), critic=models.critic)
         export_hf(engine, cfg, cfg.run_dir, state)
     consumer.commit(final=True)
     if publisher is not None:

@@ -23,6 +23,7 @@ from algo_common import NAN, SETTINGS, TOL, close, floats
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from legacy_grpo_tis import group_advantages
 
 from asyncrl.errors import UserError
 from asyncrl.learners.advantages import (
@@ -33,7 +34,6 @@ from asyncrl.learners.advantages import (
     masked_moments,
     token_level_rewards,
 )
-from asyncrl.learners.loss import group_advantages
 
 torch.set_num_threads(1)
 

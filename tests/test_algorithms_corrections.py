@@ -26,12 +26,12 @@ from algo_common import NAN, SETTINGS, TOL, close, floats
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from legacy_grpo_tis import PolicyBatch, grpo_tis_loss
 
 from asyncrl.errors import UserError
 from asyncrl.learners.advantages import AdvantageConfig, AdvantageInput, get_advantage
 from asyncrl.learners.corrections import CORRECTIONS, CorrectionConfig, CorrectionInput, get_correction
 from asyncrl.learners.kl import KLInput, kl_loss, kl_reward
-from asyncrl.learners.loss import PolicyBatch, grpo_tis_loss
 from asyncrl.learners.policy_losses import (
     LossCounts,
     PolicyLossConfig,

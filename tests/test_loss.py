@@ -19,19 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from legacy_grpo_tis import PolicyBatch, group_advantages, grpo_tis_loss
 
-from asyncrl.errors import UserError
-from asyncrl.learners.loss import (
-    ADVANTAGES,
-    LOSSES,
-    PolicyBatch,
-    get_advantage,
-    get_loss,
-    group_advantages,
-    grpo_tis_loss,
-    pad_batch,
-    sequence_logprobs,
-)
+from asyncrl.learners.loss import pad_batch, sequence_logprobs
 
 torch.set_num_threads(1)
 TOL = 1e-6
@@ -174,21 +164,6 @@ def test_group_advantages_match_loop(rows, normalize_std, eps):
             assert close(float(got[g, j]), a), (g, j, float(got[g, j]), a)
         if len(set(rows[g])) == 1:  # all-equal rewards carry no signal
             assert all(abs(float(x)) < TOL for x in got[g])
-
-
-def test_advantage_registry_modes():
-    r = torch.tensor([[0.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
-    assert torch.allclose(get_advantage("dr_grpo")(r, 1e-6), r - 0.5)
-    assert torch.allclose(get_advantage("grpo")(r, 1e-6), (r - 0.5) / (0.5 + 1e-6))
-    assert set(ADVANTAGES) == {"grpo", "dr_grpo"} and set(LOSSES) == {"grpo_tis"}
-
-
-def test_unknown_names_fail_clearly():
-    with pytest.raises(UserError, match="unknown loss 'ppo'.*grpo_tis"):
-        get_loss("ppo")
-    with pytest.raises(UserError, match="unknown advantage 'gae'.*dr_grpo, grpo"):
-        get_advantage("gae")
-    assert get_loss("grpo_tis") is grpo_tis_loss
 
 
 # ----------------------------------------------------------------------------- loss, gradient, metrics

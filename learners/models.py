@@ -1,0 +1,59 @@
+"""The extra models a preset may need next to the policy: a frozen reference and a critic.
+
+* Reference (``preset.uses_kl``): a frozen copy of the INITIAL policy (``model.path``), no optimizer,
+  forward under ``no_grad``. A restart reloads it from ``model.path``, so it never drifts.
+* Critic (``preset.needs_critic``: GAE or V-trace): a value head on a copy of the base model, trained
+  by its own DeepSpeed engine and optimizer. Checkpointed with the policy (``engine.save_checkpoint``),
+  never published to generators.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from asyncrl.config import Config
+
+__all__ = ["ValueModel", "build_critic", "load_reference", "reference_logprobs"]
+
+
+class ValueModel(nn.Module):
+    """V(s_j) = head(h_j): the base model's last hidden state at position j, i.e. the value of the
+    state before token j + 1 -- aligned with ``loss.sequence_logprobs`` (B, L) -> (B, L-1)."""
+
+    def __init__(self, base: nn.Module, hidden_size: int):
+        super().__init__()
+        self.base = base
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)  # V = 0 at start: the first advantages are the plain returns
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden[:, :-1]).squeeze(-1).float()
+
+
+def build_critic(cfg: Config):
+    """A DeepSpeed engine around ``ValueModel`` on a fresh copy of ``model.path``'s base model."""
+    from transformers import AutoModel
+
+    from asyncrl.learners.engine import build_engine
+
+    base = AutoModel.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+    model = ValueModel(base, base.config.hidden_size).to(getattr(torch, cfg.model.dtype))
+    return build_engine(cfg, model=model, lr=cfg.algorithm.critic_lr or cfg.learner.lr)
+
+
+def load_reference(cfg: Config, device) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+    return ref.to(device).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def reference_logprobs(ref: nn.Module, batch: dict, temperature: float) -> Tensor:
+    from asyncrl.learners.loss import sequence_logprobs
+
+    logits = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return sequence_logprobs(logits, batch["input_ids"], temperature)
