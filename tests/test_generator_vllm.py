@@ -147,6 +147,10 @@ class SwitchAfter:
         self.polls -= 1
         return self.inner.poll(5000) if self.polls < 0 else None
 
+    @property
+    def rejected(self) -> int:
+        return self.inner.rejected
+
 
 @pytest.mark.parametrize("mode", ["continue", "abort"])
 def test_weights_arriving_mid_generation(cfg, engine, model_dir, redis_server, mode):
