@@ -115,6 +115,14 @@ class GeneratorConfig(_Section):
 class LearnerConfig(_Section):
     groups_per_step: int = Field(8, ge=1, description="B: trajectory groups per optimizer step, summed over ranks.")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    minibatches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per batch: each rank's groups are cut into this many mini-batches "
+        "(whole groups; groups_per_step / run.learners must be divisible by it). Above 1, the PPO clip "
+        "against pi_prox and the critic's value clip bind; 1 = one step on the whole batch.",
+    )
+    epochs: int = Field(1, ge=1, description="Passes over each batch's mini-batches (PPO epochs).")
     lr: float = Field(3e-4, gt=0, description="Peak learning rate (AdamW).")
     lr_final_ratio: float = Field(
         0.1, ge=0, le=1, description="Cosine decay to lr * this at the last step (a constant high lr oscillates late)."
@@ -270,6 +278,12 @@ class Config(_Section):
             raise ValueError(
                 f"learner.groups_per_step ({self.learner.groups_per_step}) must be divisible by "
                 f"run.learners ({self.run.learners})"
+            )
+        share = self.learner.groups_per_step // self.run.learners
+        if share % self.learner.minibatches:
+            raise ValueError(
+                f"learner.groups_per_step / run.learners ({share}) must be divisible by "
+                f"learner.minibatches ({self.learner.minibatches})"
             )
         if self.buffer.type == "memory" and (self.run.generators > 1 or self.run.learners > 1):
             raise ValueError("buffer.type=memory works only in one process; use redis")

@@ -35,10 +35,13 @@ def init_distributed(cfg: Config) -> None:
 
 
 def lr_lambda(cfg: Config):
-    """Linear warm-up, then cosine decay to ``lr_final_ratio`` at the last step."""
+    """Linear warm-up, then cosine decay to ``lr_final_ratio`` at the last step. Counted in batches
+    (policy versions): the optimizer steps of one batch (``minibatches`` x ``epochs``) share its lr."""
     steps, warmup, final = cfg.run.steps, cfg.learner.warmup_steps, cfg.learner.lr_final_ratio
+    per_batch = cfg.learner.minibatches * cfg.learner.epochs
 
-    def factor(step: int) -> float:
+    def factor(optimizer_step: int) -> float:
+        step = optimizer_step // per_batch
         if step < warmup:
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, steps - warmup))

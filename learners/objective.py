@@ -1,24 +1,32 @@
 """How one learner step composes a preset's pieces into the losses to backpropagate (pure torch).
 
-For one rank's share of the step (whole groups: group statistics never cross ranks), in order:
+A batch (one policy version) is trained in ``learner.minibatches`` x ``learner.epochs`` optimizer steps.
+What needs the whole batch is computed ONCE by ``prepare_batch``, at pi_prox and V_old (the policy and
+critic at batch start); ``minibatch_loss`` then gives each optimizer step's losses. For one rank's
+share (whole groups: group statistics never cross ranks), in order:
 
-  1. counts      N_tok, N_seq summed over ranks -> ``LossCounts`` divided by the rank count, because
-                 DeepSpeed AVERAGES gradients over ranks: the applied gradient is the full batch's
-  2. KL reward   kl_placement = reward: token_rewards = -beta k(pi, pi_ref), detached
-  3. advantages  the preset's estimator; batch moments (REINFORCE++) are all-reduced over ranks
+  prepare_batch (whole batch, once)
+  2. KL reward   kl_placement = reward: token_rewards = -beta k(pi_prox, pi_ref), detached
+  3. advantages  the preset's estimator (GAE on V_old); batch moments (REINFORCE++) all-reduced over ranks
+  minibatch_loss (each optimizer step's rows)
+  1. counts      N_tok, N_seq of THESE rows summed over ranks -> ``LossCounts`` divided by the rank
+                 count, because DeepSpeed AVERAGES gradients over ranks: the applied gradient is the
+                 mini-batch's over all ranks
   4. correction  weights w and the ratio's anchor from mu (behaviour), pi and pi_prox; V-trace's own
                  advantages and value targets replace those of step 3 when it supplies them
   5. policy loss + KL loss (kl_placement = loss, weighted by w), aggregated by the preset's rule
-  6. value loss  the critic's (value clipping around the values of this forward), same aggregation
+  6. value loss  the critic's (value clipping around V_old), same aggregation
   7. metrics     token-weighted sums (and maxima) over ranks: the numbers describe the whole step
 
-Every normaliser is global, so the loss and gradient of a step do not depend on how its groups are
-split across ranks (tests/test_loss_split.py checks 1 rank vs 2 gloo ranks to 1e-6).
+``step_loss`` is both for one optimizer step per batch: pi_prox and V_old are then the detached outputs
+of the same forward. Every normaliser is global, so the loss and gradient of a step do not depend on how
+its groups are split across ranks (tests/test_loss_split.py checks 1 rank vs 2 gloo ranks to 1e-6;
+tests/test_minibatches.py the same with mini-batches).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -37,7 +45,20 @@ from asyncrl.learners.policy_losses import (
 )
 from asyncrl.learners.presets import Preset
 
-__all__ = ["DistReducer", "Reducer", "StepBatch", "StepLoss", "global_moments", "step_loss"]
+__all__ = [
+    "BatchInputs",
+    "DistReducer",
+    "Reducer",
+    "StepBatch",
+    "StepLoss",
+    "global_moments",
+    "mean_metrics",
+    "minibatch_loss",
+    "minibatch_rows",
+    "prepare_batch",
+    "step_loss",
+    "take_rows",
+]
 
 
 class Reducer:
@@ -96,45 +117,89 @@ class StepLoss:
     metrics: dict[str, float]  # learner/... over the whole step (every rank)
 
 
-def step_loss(
+@dataclass
+class BatchInputs:
+    """What needs the whole batch, computed ONCE before its optimizer steps (this rank's rows, whole
+    groups): group statistics, batch moments and GAE never see a mini-batch alone."""
+
+    advantages: Tensor  # (B, T) A_t of the preset's estimator (V-trace may replace them per mini-batch)
+    returns: Tensor | None  # (B, T) critic targets of the estimator; None without a critic
+    token_rewards: Tensor | None  # (B, T) -beta k(pi_prox, pi_ref) when kl_placement = reward, detached
+    prox_logprobs: Tensor | None  # (B, T) log pi_prox (the policy at batch start), when the correction needs it
+    ref_logprobs: Tensor | None  # (B, T) frozen reference model, when preset.uses_kl
+    old_values: Tensor | None  # (B, T) V_old: the critic at batch start (GAE, value clipping, V-trace)
+
+
+def take_rows(obj, rows: Tensor):
+    """A StepBatch / BatchInputs restricted to ``rows`` (every tensor field indexed on dim 0)."""
+    return replace(obj, **{f.name: _rows(getattr(obj, f.name), rows) for f in fields(obj)})
+
+
+def _rows(x, rows: Tensor):
+    return x[rows] if isinstance(x, Tensor) else x
+
+
+def minibatch_rows(group_ids: Tensor, minibatches: int) -> list[Tensor]:
+    """Row indices of each mini-batch: the rank's groups (ids 0..G-1) cut into ``minibatches`` runs of
+    consecutive groups. Always exactly ``minibatches`` entries, so every rank steps in lockstep."""
+    n_groups = int(group_ids.max()) + 1
+    chunks = torch.arange(n_groups, device=group_ids.device).tensor_split(minibatches)
+    return [torch.nonzero(torch.isin(group_ids, c)).squeeze(-1) for c in chunks]
+
+
+def prepare_batch(
     preset: Preset,
     batch: StepBatch,
+    prox_logprobs: Tensor,  # (B, T) log pi_prox = the policy at batch start, detached
+    reducer: Reducer,
+    ref_logprobs: Tensor | None = None,  # (B, T) frozen reference model, when preset.uses_kl
+    old_values: Tensor | None = None,  # (B, T) V_old = the critic at batch start, detached
+) -> BatchInputs:
+    """Steps 2-3 on the whole batch: the KL reward (at pi_prox) and the preset's advantages (batch moments
+    all-reduced over ranks)."""
+    mask = batch.mask.to(prox_logprobs.dtype)
+    kl_in = KLInput(prox_logprobs, ref_logprobs, mask) if ref_logprobs is not None else None
+    token_rewards = None
+    if kl_in is not None and preset.kl_placement == "reward":
+        token_rewards = kl_reward(kl_in, preset.kl_estimator, preset.kl_coef)
+    adv = get_advantage(preset.advantage)(
+        AdvantageInput(batch.rewards, mask, batch.group_ids, token_rewards, old_values, global_moments(reducer)),
+        preset.advantage_config,
+    )
+    prox = prox_logprobs if "prox_logprobs" in preset.required_inputs else None
+    return BatchInputs(adv.advantages, adv.returns, token_rewards, prox, ref_logprobs, old_values)
+
+
+def minibatch_loss(
+    preset: Preset,
+    batch: StepBatch,
+    inputs: BatchInputs,  # prepare_batch's, restricted to the same rows as ``batch``
     logprobs: Tensor,  # (B, T) log pi_theta, with gradient
     reducer: Reducer,
     ranks: int,  # data-parallel ranks that AVERAGE gradients (1 if the caller sums them)
     max_len: float,  # L_max of seq-mean-token-sum: the generation limit
-    ref_logprobs: Tensor | None = None,  # (B, T) frozen reference model, when preset.uses_kl
     values: Tensor | None = None,  # (B, T) critic V(s_t), with gradient, when preset.needs_critic
 ) -> StepLoss:
+    """Steps 1 and 4-7 for one optimizer step's rows (counts all-reduced for exactly these rows)."""
     mask = batch.mask.to(logprobs.dtype)
     # 1. counts
     local = [float(mask.sum()), float(mask.shape[0])]
     n_tok, n_seq = reducer.sum(local)
     counts = LossCounts(n_tok, n_seq, max_len).scaled(ranks)
-    # 2. KL folded into the reward
-    kl_in = KLInput(logprobs, ref_logprobs, mask) if ref_logprobs is not None else None
-    token_rewards = None
-    if kl_in is not None and preset.kl_placement == "reward":
-        token_rewards = kl_reward(kl_in, preset.kl_estimator, preset.kl_coef)
-    # 3. advantages
-    old_values = values.detach() if values is not None else None
-    adv = get_advantage(preset.advantage)(
-        AdvantageInput(batch.rewards, mask, batch.group_ids, token_rewards, old_values, global_moments(reducer)),
-        preset.advantage_config,
-    )
-    # 4. off-policy correction. With one optimizer step per batch, the proximal policy of decoupled PPO
-    # (the weights at the start of the step) IS the current policy before its update: its log-probs are
-    # the detached log-probs of this very forward, no second forward pass needed.
-    prox = logprobs.detach() if "prox_logprobs" in preset.required_inputs else None
+    kl_in = KLInput(logprobs, inputs.ref_logprobs, mask) if inputs.ref_logprobs is not None else None
+    old_values = inputs.old_values
+    # 4. off-policy correction: pi (now) against pi_prox (batch start) and mu (behaviour)
     step_rewards = None  # per-token rewards for V-trace (only with a critic)
     if values is not None:
-        step_rewards = token_level_rewards(batch.rewards.to(mask.dtype), mask, token_rewards)
+        step_rewards = token_level_rewards(batch.rewards.to(mask.dtype), mask, inputs.token_rewards)
     corr = get_correction(preset.correction)(
-        CorrectionInput(logprobs.detach(), batch.behaviour_logprobs, mask, prox, step_rewards, old_values),
+        CorrectionInput(
+            logprobs.detach(), batch.behaviour_logprobs, mask, inputs.prox_logprobs, step_rewards, old_values
+        ),
         preset.correction_config,
     )
-    advantages = corr.advantages if corr.advantages is not None else adv.advantages
-    returns = corr.value_targets if corr.value_targets is not None else adv.returns
+    advantages = corr.advantages if corr.advantages is not None else inputs.advantages
+    returns = corr.value_targets if corr.value_targets is not None else inputs.returns
     # 5. policy loss (+ KL loss)
     pol = get_policy_loss(preset.policy_loss)(
         PolicyLossInput(logprobs, corr.old_logprobs, advantages, mask, corr.weights), preset.loss_config
@@ -170,3 +235,30 @@ def step_loss(
     if critic is not None:
         (metrics["learner/value_loss"],) = [v / ranks for v in reducer.sum([float(value.detach())])]
     return StepLoss(policy_loss, value if critic is not None else None, metrics)
+
+
+def step_loss(
+    preset: Preset,
+    batch: StepBatch,
+    logprobs: Tensor,  # (B, T) log pi_theta, with gradient
+    reducer: Reducer,
+    ranks: int,  # data-parallel ranks that AVERAGE gradients (1 if the caller sums them)
+    max_len: float,  # L_max of seq-mean-token-sum: the generation limit
+    ref_logprobs: Tensor | None = None,  # (B, T) frozen reference model, when preset.uses_kl
+    values: Tensor | None = None,  # (B, T) critic V(s_t), with gradient, when preset.needs_critic
+) -> StepLoss:
+    """One optimizer step on the whole batch. Its proximal policy (the weights at the start of the step)
+    IS the current policy before its update: pi_prox and V_old are the detached outputs of this very
+    forward, no second forward pass needed (the clip and the value clip then never bind)."""
+    old_values = values.detach() if values is not None else None
+    inputs = prepare_batch(preset, batch, logprobs.detach(), reducer, ref_logprobs, old_values)
+    return minibatch_loss(preset, batch, inputs, logprobs, reducer, ranks, max_len, values)
+
+
+def mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Several optimizer steps' metrics as one record: the mean of each, the maximum of the maxima."""
+    out = {}
+    for key in steps[0]:
+        column = [m[key] for m in steps]
+        out[key] = max(column) if key.endswith("_max_ratio") else sum(column) / len(column)
+    return out

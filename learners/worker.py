@@ -4,10 +4,11 @@ All ranks step in lockstep (the gradient all-reduce is a barrier). Each step, at
   1. collect  - B / L groups for this rank through its BatchConsumer (``buffers/consumer.py``):
                 stale, filtered and undecodable groups are acknowledged with that outcome and do
                 not count; replays fill in when the buffer has too few new groups
-  2. loss     - the preset's pieces (``objective.step_loss``): advantages, off-policy correction,
+  2. loss     - the preset's pieces (``objective``): advantages, off-policy correction,
                 policy / KL / value losses, normalised by global counts so the split across ranks
                 does not matter
-  3. step     - DeepSpeed backward + optimizer step (and the critic's, if any): version v + 1
+  3. step     - DeepSpeed backward + optimizer step (and the critic's, if any), once per mini-batch
+                (``learner.minibatches`` x ``learner.epochs``): version v + 1 after the batch
   4. publish  - rank 0 sets the buffer's version and publishes the weights over the weight bus
   5. commit   - every ``learner.checkpoint_every`` versions: a checkpoint, committed, and only then
                 the groups it trained are acknowledged in the buffer
@@ -43,7 +44,18 @@ from asyncrl.learners.engine import (
 )
 from asyncrl.learners.loss import pad_batch, sequence_logprobs
 from asyncrl.learners.models import build_critic, load_reference, reference_logprobs
-from asyncrl.learners.objective import DistReducer, StepBatch, step_loss
+from asyncrl.learners.objective import (
+    DistReducer,
+    Reducer,
+    StepBatch,
+    StepLoss,
+    mean_metrics,
+    minibatch_loss,
+    minibatch_rows,
+    prepare_batch,
+    step_loss,
+    take_rows,
+)
 from asyncrl.learners.presets import Preset, from_config
 from asyncrl.metrics import RedisSink, setup_logging
 from asyncrl.protocol import TrajectoryGroup
@@ -87,26 +99,64 @@ def build_models(cfg: Config, preset: Preset) -> Models:
     return Models(policy, critic, reference)
 
 
-def train_step(models: Models, batch: dict, cfg: Config, preset: Preset, world: int):
-    """Forward, the preset's losses, backward, optimizer step(s). Returns (StepLoss, mismatch sums)."""
+def train_step(models: Models, batch: dict, cfg: Config, preset: Preset, world: int, reducer: Reducer | None = None):
+    """Forward, the preset's losses, backward, optimizer step(s). Returns (StepLoss, mismatch sums).
+
+    With ``learner.minibatches`` x ``learner.epochs`` == 1: one forward, one optimizer step; pi_prox and
+    V_old are the detached outputs of that forward (exact, and free). Above 1: a no_grad forward of the
+    policy (and critic) gives pi_prox and V_old once, the whole-batch inputs (advantages, KL reward) are
+    computed from them, then every mini-batch takes its own optimizer step -- each a collective over the
+    ranks, which all run the same number of mini-batches. The returned metrics average the steps.
+    """
     engine = models.policy
+    reducer = reducer if reducer is not None else DistReducer()
     batch = {k: v.to(engine.device) for k, v in batch.items()}
-    temperature = cfg.generator.temperature
-    logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logprobs = sequence_logprobs(logits, batch["input_ids"], temperature)
+    temperature, max_len = cfg.generator.temperature, cfg.generator.max_new_tokens
     ref = reference_logprobs(models.reference, batch, temperature) if models.reference is not None else None
-    values = models.critic(batch["input_ids"], batch["attention_mask"]) if models.critic is not None else None
     step = StepBatch(batch["rewards"], batch["group_ids"], batch["response_mask"], batch["behaviour_logprobs"])
-    max_len = cfg.generator.max_new_tokens
-    out = step_loss(preset, step, logprobs, DistReducer(), world, max_len, ref_logprobs=ref, values=values)
-    engine.backward(out.policy_loss)
-    engine.step()
+    if cfg.learner.minibatches * cfg.learner.epochs == 1:
+        logprobs, values = _forward(models, batch, temperature)
+        out = step_loss(preset, step, logprobs, reducer, world, max_len, ref_logprobs=ref, values=values)
+        _optimizer_step(models, out)
+        return out, _mismatch(logprobs.detach(), batch)
+    with torch.no_grad():
+        prox, old_values = _forward(models, batch, temperature)
+    inputs = prepare_batch(preset, step, prox, reducer, ref_logprobs=ref, old_values=old_values)
+    outs = []
+    for _ in range(cfg.learner.epochs):
+        for rows in minibatch_rows(step.group_ids, cfg.learner.minibatches):
+            sub = {k: batch[k][rows] for k in ("input_ids", "attention_mask")}
+            logprobs, values = _forward(models, sub, temperature)
+            out = minibatch_loss(
+                preset, take_rows(step, rows), take_rows(inputs, rows), logprobs, reducer, world, max_len, values
+            )
+            _optimizer_step(models, out)
+            outs.append(out)
+    value_loss = torch.stack([o.value_loss.detach() for o in outs]).mean() if outs[0].value_loss is not None else None
+    loss = torch.stack([o.policy_loss.detach() for o in outs]).mean()
+    return StepLoss(loss, value_loss, mean_metrics([o.metrics for o in outs])), _mismatch(prox, batch)
+
+
+def _forward(models: Models, batch: dict, temperature: float):
+    """(log pi (B, T), V (B, T) or None) of the policy and critic on ``batch``'s rows."""
+    logits = models.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logprobs = sequence_logprobs(logits, batch["input_ids"], temperature)
+    values = models.critic(batch["input_ids"], batch["attention_mask"]) if models.critic is not None else None
+    return logprobs, values
+
+
+def _optimizer_step(models: Models, out: StepLoss) -> None:
+    models.policy.backward(out.policy_loss)
+    models.policy.step()
     if out.value_loss is not None:
         models.critic.backward(out.value_loss)
         models.critic.step()
-    diff = (logprobs.detach() - batch["behaviour_logprobs"]).abs() * batch["same_version"]
-    mismatch = (float(diff.sum()), float(batch["same_version"].sum()))
-    return out, mismatch
+
+
+def _mismatch(logprobs: torch.Tensor, batch: dict) -> tuple[float, float]:
+    """Sum and count of |log pi - log mu| on tokens sampled by the version this learner holds."""
+    diff = (logprobs - batch["behaviour_logprobs"]).abs() * batch["same_version"]
+    return float(diff.sum()), float(batch["same_version"].sum())
 
 
 def restore(models: Models, consumer: BatchConsumer, cfg: Config, rank: int) -> int:
