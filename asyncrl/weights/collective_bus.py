@@ -325,7 +325,8 @@ class CollectiveWeightPublisher(WeightPublisher):
         self._dirty = False  # membership changed or the group failed: form a new one
         self._newest: tuple[DeviceSnapshot, list[str]] | None = None
         self._tamper: Callable[[dict, list[torch.Tensor]], list[torch.Tensor]] | None = None  # tests only
-        self._stats = {"versions": 0, "sends": 0, "epochs": 0, "failures": 0, "dropped": 0}
+        # sent_version: the newest version whose broadcast completed on the publisher's side
+        self._stats = {"versions": 0, "sends": 0, "sent_version": -1, "epochs": 0, "failures": 0, "dropped": 0}
         self._thread = threading.Thread(target=self._run, name="weights-collective-pub", daemon=True)
         self._thread.start()
 
@@ -524,6 +525,7 @@ class CollectiveWeightPublisher(WeightPublisher):
             if m in self._members:
                 self._members[m].have = max(self._members[m].have, snap.version)
         self._stats["sends"] += 1
+        self._stats["sent_version"] = snap.version
 
 
 def arrived_key(epoch: int, rank: int) -> str:
