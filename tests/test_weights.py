@@ -13,6 +13,7 @@ import torch
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from weights_common import assert_bit_equal
 
 from asyncrl.config import WeightsConfig
 from asyncrl.weights import (
@@ -77,18 +78,6 @@ def wait_version(sub, version: int, timeout_s: float = 5.0):
         if update is not None:
             seen.append(update)
     return seen
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def assert_bit_equal(got: dict, want: dict) -> None:
-    assert sorted(got) == sorted(want)
-    for name, t in want.items():
-        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
-        assert got[name].device.type == "cpu"
-        assert raw(got[name]) == raw(t), name
 
 
 def make_state(seed: int, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
@@ -171,6 +160,7 @@ def _corruptions(frames: list) -> dict[str, list]:
         "manifest not msgpack": [frames[0], b"\xc1\xc1", *frames[2:]],
         "renamed tensor": [frames[0], first_tensor(name="evil"), *frames[2:]],
         "offset out of range": [frames[0], first_tensor(offset=10**9), *frames[2:]],
+        "offset not a multiple of ALIGN": [frames[0], first_tensor(offset=2), *frames[2:]],
         "unknown dtype": [frames[0], first_tensor(dtype="complex32"), *frames[2:]],
         "nbytes disagrees with shape": [frames[0], first_tensor(shape=[7]), *frames[2:]],
     }

@@ -15,10 +15,10 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pydantic
 import pytest
 import torch
+from weights_common import assert_bit_equal, random_bits
 
 from asyncrl.config import WeightsConfig
 from asyncrl.weights import (
@@ -111,15 +111,6 @@ def end(proc: subprocess.Popen) -> None:
             stream.close()
 
 
-def random_bits(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Every bit pattern (NaN payloads, infinities, subnormals) for float dtypes."""
-    t = torch.empty(shape, dtype=dtype)
-    if t.numel():
-        flat = t.reshape(-1).view(torch.uint8).numpy()
-        flat[:] = np.random.default_rng(seed).integers(0, 256, flat.size, np.uint8)
-    return t
-
-
 def mixed_state(seed: int = 0) -> dict[str, torch.Tensor]:
     wide = random_bits(torch.float32, (48, 64), seed + 3)
     return {
@@ -137,19 +128,6 @@ def mixed_state(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def small_state(version: int) -> dict[str, torch.Tensor]:
     return {f"layer.{i}.w": torch.full((500,), float(version)) + i for i in range(3)}
-
-
-def raw(t: torch.Tensor) -> bytes:
-    t = t.cpu()
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def assert_bit_equal(got: dict, want: dict, device: str) -> None:
-    assert sorted(got) == sorted(want)
-    for name, t in want.items():
-        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
-        assert got[name].device == torch.device(device), name
-        assert raw(got[name]) == raw(t), name
 
 
 def wait_version(sub, version: int, timeout_s: float = 10.0):

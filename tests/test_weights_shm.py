@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import msgpack
-import numpy as np
 import pytest
 import torch
+from weights_common import random_bits, raw
 
 from asyncrl.config import WeightsConfig
 from asyncrl.weights import (
@@ -101,19 +101,6 @@ def root():
     leftovers = os.listdir(path)
     shutil.rmtree(path, ignore_errors=True)
     assert leftovers == [], f"left behind in {path}: {leftovers}"
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def random_bits(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Every bit pattern (NaN payloads, infinities, subnormals) for float dtypes."""
-    t = torch.empty(shape, dtype=dtype)
-    if t.numel():
-        flat = t.reshape(-1).view(torch.uint8).numpy()
-        flat[:] = np.random.default_rng(seed).integers(0, 256, flat.size, np.uint8)
-    return t
 
 
 def mixed_state() -> dict[str, torch.Tensor]:

@@ -71,8 +71,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -83,8 +81,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from asyncrl.weights.base import WeightPublisher, WeightSubscriber, check_publish, log
-from asyncrl.weights.wire import ALIGN, DTYPES, WeightsRejected, WeightUpdate, plan
+from asyncrl.weights.base import Wakeup, WeightPublisher, WeightSubscriber, check_publish, log, log_rejection
+from asyncrl.weights.wire import ALIGN, DTYPES, WeightsRejected, WeightUpdate, check_entries, plan
 from asyncrl.weights.zmq_bus import bus_context
 
 # Publisher/subscriber thread tick when idle: bounds how late a hello, bye or close is noticed.
@@ -166,35 +164,9 @@ def check_manifest(m: object) -> list[int]:
     return [padded(b["nbytes"]) for b in m["buckets"]]
 
 
-def check_entries(m: dict) -> None:
-    seen: set[str] = set()
-    for e in m["tensors"]:
-        if not isinstance(e, dict):
-            raise WeightsRejected("tensor entry is not a map")
-        name, dtype, shape = e.get("name"), e.get("dtype"), e.get("shape")
-        if not isinstance(name, str) or name in seen:
-            raise WeightsRejected(f"tensor name {name!r} missing or repeated")
-        seen.add(name)
-        if dtype not in DTYPES:
-            raise WeightsRejected(f"tensor {name}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise WeightsRejected(f"tensor {name}: bad shape {shape!r}")
-        bucket, offset, nbytes = e.get("bucket"), e.get("offset"), e.get("nbytes")
-        if nbytes != math.prod(shape) * DTYPES[dtype].itemsize:
-            raise WeightsRejected(f"tensor {name}: nbytes {nbytes!r} does not match {dtype}{shape}")
-        if not nbytes:
-            continue
-        if not (isinstance(bucket, int) and 0 <= bucket < len(m["buckets"])):
-            raise WeightsRejected(f"tensor {name}: bucket {bucket!r} out of range")
-        if not (isinstance(offset, int) and offset >= 0 and offset % ALIGN == 0):
-            raise WeightsRejected(f"tensor {name}: bad offset {offset!r}")
-        if offset + nbytes > m["buckets"][bucket]["nbytes"]:
-            raise WeightsRejected(f"tensor {name}: bytes [{offset}, +{nbytes}) outside bucket {bucket}")
-
-
 def build_update(m: dict, buckets: list[torch.Tensor], device: torch.device) -> WeightUpdate:
     """Verify received buckets against the manifest; tensors are views of the buckets."""
-    check_entries(m)
+    check_entries(m["tensors"], [b["nbytes"] for b in m["buckets"]])
     for i, (meta, got) in enumerate(zip(m["buckets"], bucket_checksums(buckets), strict=True)):
         if got != meta["checksum"]:
             raise WeightsRejected(f"bucket {i}: checksum mismatch")
@@ -314,9 +286,7 @@ class CollectiveWeightPublisher(WeightPublisher):
         self._pending: DeviceSnapshot | None = None
         self._last_version: int | None = None
         self._closing = False
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wakeup = Wakeup()  # publish -> thread: a version is pending
         # Thread state.
         self._members: dict[bytes, _Member] = {}
         self._group: Group | None = None
@@ -337,10 +307,7 @@ class CollectiveWeightPublisher(WeightPublisher):
         with self._lock:
             self._pending = snap
             self._last_version = version
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # pipe full: the thread is already due to wake
+        self._wakeup.set()
 
     def stats(self) -> dict[str, int]:
         return {**self._stats, "subscribers": len(self._members), "epoch": self._epoch}
@@ -351,8 +318,7 @@ class CollectiveWeightPublisher(WeightPublisher):
         self._closing = True
         self._thread.join()  # bounded: collectives stop on _closing, control waits are _IDLE_MS
         self._sock.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wakeup.close()
         self._store = None
 
     # --- background thread ---------------------------------------------------------------------
@@ -361,11 +327,12 @@ class CollectiveWeightPublisher(WeightPublisher):
             torch.cuda.set_device(self.device)
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wakeup.fd, zmq.POLLIN)
         while not self._closing:
             events = dict(poller.poll(_IDLE_MS))
             try:
-                if self._wake_r in events:
+                if self._wakeup.fd in events:
+                    self._wakeup.clear()
                     self._take_pending()
                 if self._sock in events:
                     self._handle_control()
@@ -379,11 +346,6 @@ class CollectiveWeightPublisher(WeightPublisher):
             self._group.close()
 
     def _take_pending(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
         with self._lock:
             snap, self._pending = self._pending, None
         if snap is None:
@@ -700,10 +662,4 @@ class CollectiveWeightSubscriber(WeightSubscriber):
 
     def _reject(self, version: object, reason: str) -> None:
         self.rejected += 1
-        log.warning(
-            "weights: %s rejected version %s: %s (keeping version %d)",
-            self.subscriber_id,
-            version,
-            reason,
-            self._newest,
-        )
+        log_rejection(self.subscriber_id, version, reason, self._newest)

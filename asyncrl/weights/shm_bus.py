@@ -80,13 +80,13 @@ import msgpack
 import numpy as np
 import zmq
 
-from asyncrl.weights.base import WeightPublisher, WeightSubscriber, check_publish, log
+from asyncrl.weights.base import WeightPublisher, WeightSubscriber, check_publish, log, log_rejection
 from asyncrl.weights.wire import (
     ALIGN,
     WIRE_HEADER,
     WeightsRejected,
     WeightUpdate,
-    _check_entry,
+    check_entries,
     checksums,
     peek_version,
     plan,
@@ -430,13 +430,7 @@ class ShmWeightSubscriber(WeightSubscriber):
                 except WeightsRejected as exc:
                     self._bad.add(version)
                     self.rejected += 1
-                    log.warning(
-                        "weights: %s rejected version %s: %s (keeping version %d)",
-                        self.subscriber_id,
-                        version,
-                        exc,
-                        self.latest_version,
-                    )
+                    log_rejection(self.subscriber_id, version, str(exc), self.latest_version)
                     continue  # an older good one on disk may still be newer than ours
                 if update is None:
                     break  # renamed or reused meanwhile: rescan
@@ -512,9 +506,7 @@ def _build(manifest: dict, data_end: int, mm: mmap.mmap, verify: str) -> WeightU
 
     data = memoryview(mm)
     views = _bucket_views(manifest, data_end, data)
-    seen: set[str] = set()
-    for e in manifest["tensors"]:
-        _check_entry(e, views, seen)
+    check_entries(manifest["tensors"], [v.nbytes for v in views])
     entries = sorted(manifest["tensors"], key=lambda e: e["name"])
     if verify == "full":
         _, checksum = checksums(entries, views)

@@ -300,24 +300,34 @@ def _check_sizes(manifest: dict, buckets: list[memoryview]) -> None:
             raise WeightsRejected(f"bucket {i}: {buf.nbytes} bytes received, manifest says {meta!r:.80}")
 
 
-def _check_entry(e: object, buckets: list[memoryview], seen: set[str]) -> None:
-    if not isinstance(e, dict):
-        raise WeightsRejected("tensor entry is not a map")
-    name, shape, dtype = e.get("name"), e.get("shape"), e.get("dtype")
-    if not isinstance(name, str) or name in seen:
-        raise WeightsRejected(f"tensor name {name!r} missing or repeated")
-    seen.add(name)
-    if dtype not in DTYPES:
-        raise WeightsRejected(f"tensor {name}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise WeightsRejected(f"tensor {name}: bad shape {shape!r}")
-    bucket, offset, nbytes = e.get("bucket"), e.get("offset"), e.get("nbytes")
-    if nbytes != math.prod(shape) * DTYPES[dtype].itemsize:
-        raise WeightsRejected(f"tensor {name}: nbytes {nbytes!r} does not match {dtype}{shape}")
-    if not (isinstance(bucket, int) and 0 <= bucket < len(buckets)) and nbytes:
-        raise WeightsRejected(f"tensor {name}: bucket {bucket!r} out of range")
-    if nbytes and not (isinstance(offset, int) and 0 <= offset and offset + nbytes <= buckets[bucket].nbytes):
-        raise WeightsRejected(f"tensor {name}: bytes [{offset!r}, +{nbytes}) outside bucket {bucket}")
+def check_entries(tensors: object, bucket_sizes: list[int]) -> None:
+    """Every manifest tensor entry well formed (unique name, known dtype, shape matching nbytes) and
+    inside its bucket at a multiple of ``ALIGN``; raises ``WeightsRejected``. Every transport's check."""
+    if not isinstance(tensors, list):
+        raise WeightsRejected("manifest tensors is not a list")
+    seen: set[str] = set()
+    for e in tensors:
+        if not isinstance(e, dict):
+            raise WeightsRejected("tensor entry is not a map")
+        name, dtype, shape = e.get("name"), e.get("dtype"), e.get("shape")
+        if not isinstance(name, str) or name in seen:
+            raise WeightsRejected(f"tensor name {name!r} missing or repeated")
+        seen.add(name)
+        if dtype not in DTYPES:
+            raise WeightsRejected(f"tensor {name}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise WeightsRejected(f"tensor {name}: bad shape {shape!r}")
+        bucket, offset, nbytes = e.get("bucket"), e.get("offset"), e.get("nbytes")
+        if nbytes != math.prod(shape) * DTYPES[dtype].itemsize:
+            raise WeightsRejected(f"tensor {name}: nbytes {nbytes!r} does not match {dtype}{shape}")
+        if not nbytes:
+            continue
+        if not (isinstance(bucket, int) and 0 <= bucket < len(bucket_sizes)):
+            raise WeightsRejected(f"tensor {name}: bucket {bucket!r} out of range")
+        if not (isinstance(offset, int) and offset >= 0 and offset % ALIGN == 0):
+            raise WeightsRejected(f"tensor {name}: bad offset {offset!r}")
+        if offset + nbytes > bucket_sizes[bucket]:
+            raise WeightsRejected(f"tensor {name}: bytes [{offset}, +{nbytes}) outside bucket {bucket}")
 
 
 def tensor_view(e: dict, buckets: list[memoryview]) -> memoryview:
@@ -355,9 +365,7 @@ def decode(frames: Sequence, manifest: dict | None = None) -> WeightUpdate:
         _, manifest = peek_version(frames)
     buckets = [_buf(f) for f in frames[2:]]
     _check_sizes(manifest, buckets)
-    seen: set[str] = set()
-    for e in manifest["tensors"]:
-        _check_entry(e, buckets, seen)
+    check_entries(manifest["tensors"], [b.nbytes for b in buckets])
     entries = sorted(manifest["tensors"], key=lambda e: e["name"])
     bucket_sums, checksum = checksums(entries, buckets)
     for i, (meta, got) in enumerate(zip(manifest["buckets"], bucket_sums, strict=True)):

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import msgpack
 import zmq
 
-from asyncrl.weights.base import VerifyingSubscriber, WeightPublisher, check_publish, log
+from asyncrl.weights.base import VerifyingSubscriber, Wakeup, WeightPublisher, check_publish, log
 from asyncrl.weights.wire import BucketPool, Snapshot, seal, snapshot
 
 if TYPE_CHECKING:
@@ -89,9 +89,7 @@ class ZmqWeightPublisher(WeightPublisher):
         self._pool = BucketPool()  # buckets of versions ZeroMQ has finished sending, for reuse
         self._last_version: int | None = None
         self._closing = False
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wakeup = Wakeup()  # publish -> thread: a version is pending
         # Thread state.
         self._peers: dict[bytes, _Peer] = {}
         self._newest: tuple[int, list, tuple] | None = None  # version, frames, pool release
@@ -108,7 +106,7 @@ class ZmqWeightPublisher(WeightPublisher):
             self._last_version = version
         if unsent is not None:
             self._pool.give(unsent.buckets)
-        self._wake()
+        self._wakeup.set()
 
     def stats(self) -> dict[str, int]:
         return {**self._stats, "subscribers": len(self._peers), "buckets_reused": self._pool.reused}
@@ -117,42 +115,28 @@ class ZmqWeightPublisher(WeightPublisher):
         if self._closing:
             return
         self._closing = True
-        self._wake()
+        self._wakeup.set()
         self._thread.join()  # bounded: every wait in the loop is a poll timeout of at most _IDLE_MS
         self._sock.close()  # returns at once; lingering sends end when written or the peer leaves
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # pipe full: the thread is already due to wake
+        self._wakeup.close()
 
     # --- background thread ---------------------------------------------------------------------
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wakeup.fd, zmq.POLLIN)
         while not self._closing:
             lagging = self._newest is not None and any(p.sent < self._newest[0] for p in self._peers.values())
             events = dict(poller.poll(_RETRY_MS if lagging else _IDLE_MS))
             try:
-                if self._wake_r in events:
-                    self._drain_wake()
+                if self._wakeup.fd in events:
+                    self._wakeup.clear()
                     self._take_pending()
                 if self._sock in events:
                     self._handle_control()
                 self._send_lagging()
             except Exception:  # noqa: BLE001 - the bus must outlive one bad message or version
                 log.exception("weights: publisher thread error")
-
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
 
     def _take_pending(self) -> None:
         with self._lock:
