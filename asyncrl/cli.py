@@ -39,7 +39,7 @@ def resolve_config(args):
         "run.max_policy_lag": args.max_policy_lag,
         "run.steps": args.steps,
         "run.name": args.name,
-        "buffer.redis_url": args.redis_url,
+        "buffer.url": args.redis_url,
     }
     overrides.update({k: v for k, v in flags.items() if v is not None})
     return load_config(args.config, overrides)
@@ -55,7 +55,7 @@ def cmd_launch(args) -> int:
     if args.dry_run:
         from asyncrl.launch import preflight_light
 
-        preflight_light(cfg, cfg.buffer.redis_url)
+        preflight_light(cfg)
         print(dump_config(cfg), end="")
         return 0
     from asyncrl.launch import Launcher

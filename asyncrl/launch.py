@@ -32,7 +32,8 @@ from asyncrl.buffers.base import lost_groups
 from asyncrl.config import Config, dump_config
 from asyncrl.control import RunControl, connect
 from asyncrl.errors import UserError
-from asyncrl.launch_progress import Progress, RunStats
+from asyncrl.learners.checkpoint import read_committed
+from asyncrl.run_stats import Progress, RunStats
 from asyncrl.redis_server import free_loopback_port, url_address
 
 STOP_GRACE_S = 10.0  # children get this long to leave on their own before SIGTERM, then SIGKILL
@@ -91,7 +92,7 @@ class Child:
             return ""
 
 
-def preflight_light(cfg: Config, redis_url: str | None) -> None:
+def preflight_light(cfg: Config, redis_url: str | None = None) -> None:
     """Everything that can be checked without building or starting anything; raises UserError."""
     from asyncrl.data import import_by_path, load_jsonl
 
@@ -103,10 +104,16 @@ def preflight_light(cfg: Config, redis_url: str | None) -> None:
         raise UserError(f"model directory not found: {cfg.model.path} (and model.recipe is not set)")
     from asyncrl.redis_server import check_redis_url, find_redis_binary
 
+    redis_url = redis_url or external_redis_url(cfg)
     if redis_url:
         check_redis_url(redis_url)
     else:
         find_redis_binary()
+
+
+def external_redis_url(cfg: Config) -> str | None:
+    """The Redis server the config names (``buffer.url``), if any; None: the launcher starts its own."""
+    return cfg.buffer.url if cfg.buffer.type == "redis" else None
 
 
 def preflight(cfg: Config, redis_url: str | None, log=print) -> None:
@@ -120,7 +127,7 @@ def ensure_model(cfg: Config, log=print) -> None:
         return
     if cfg.model.recipe is None:
         raise UserError(f"model directory not found: {path} (and model.recipe is not set)")
-    from asyncrl.demo_model import prepare_demo_model
+    from asyncrl.demo.model import prepare_demo_model
 
     log(f"building the demo model at {path} (once; cached)")
     prepare_demo_model(path, seed=cfg.run.seed, log=log)
@@ -134,7 +141,7 @@ def _has_cuda() -> bool:
 class Launcher:
     def __init__(self, cfg: Config, redis_url: str | None = None, console=None):
         self.cfg = cfg
-        self.redis_url = redis_url or cfg.buffer.redis_url
+        self.redis_url = redis_url or external_redis_url(cfg)
         self.run_dir = cfg.run_dir
         self.console = console
         self.children: list[Child] = []
@@ -212,12 +219,9 @@ class Launcher:
             self.children.append(Child("learner", rank, cmd, env, log_path, cpus=pin))
         for i in range(cfg.run.generators):
             # vLLM's CPU backend pins OpenMP threads; one core each keeps generators off each other
-            env = dict(
-                base,
-                VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                VLLM_CPU_OMP_THREADS_BIND=str(i % ncpu),
-                VLLM_CPU_KVCACHE_SPACE=str(cfg.generator.kv_cache_gb),
-            )
+            env = dict(base, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=str(i % ncpu))
+            if cfg.generator.engine.type == "vllm":
+                env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.generator.engine.kv_cache_gb)
             log_path = logs / f"generator-{i}.log"
             cmd = [
                 sys.executable,
@@ -271,8 +275,8 @@ class Launcher:
         self.learner_restarts += 1
         if self.learner_restarts > self.cfg.learner.max_restarts:
             raise UserError(f"{failed.name} exited with code {code}; see {failed.log_path}:\n{failed.log_tail()}")
-        committed = self.run_dir / "checkpoint" / "committed.json"
-        start = json.loads(committed.read_text())["version"] if committed.is_file() else 0
+        committed = read_committed(self.run_dir / "checkpoint")
+        start = committed["version"] if committed is not None else 0
         self.log(
             f"{failed.name} exited with code {code}; restarting every learner rank from version {start} "
             f"and every generator ({self.learner_restarts}/{self.cfg.learner.max_restarts})"
@@ -287,7 +291,7 @@ class Launcher:
         port = str(free_loopback_port())
         for c in self.children:
             if c.role == "learner":
-                c.env.update(MASTER_PORT=port, ASYNCRL_LEARNER_RESTART=str(self.learner_restarts))
+                c.env.update(MASTER_PORT=port)
             c.start()
         self.write_run_info()
 
@@ -317,10 +321,10 @@ class Launcher:
 
     def remove_stale_weights(self) -> None:
         """Shared-memory weight versions of publishers that died without cleaning up (SIGKILL)."""
-        if self.cfg.weights.transport == "shm":
+        if self.cfg.weights.type == "shm":
             from asyncrl.weights import remove_stale_shm
 
-            for path in remove_stale_shm(self.cfg.weights.shm_dir):
+            for path in remove_stale_shm(self.cfg.weights.dir):
                 self.log(f"removed shared-memory weights of a dead learner: {path}")
 
     def final_buffer_stats(self) -> dict | None:
@@ -342,7 +346,7 @@ class Launcher:
         cfg = self.cfg
         preflight(cfg, self.redis_url, log=self.log)
         config_path = self.prepare_run_dir()
-        self.stats = RunStats(cfg)
+        self.stats = RunStats(cfg.run, self.run_dir)
         control = None
         reason, code = "interrupted", 130
         previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -397,7 +401,7 @@ class Launcher:
     def supervise(self, control: RunControl) -> tuple[str, int]:
         cfg = self.cfg
         deadline = time.monotonic() + cfg.run.timeout_s
-        with Progress(self.console, cfg) as progress:
+        with Progress(self.console, cfg.run.steps) as progress:
             learners_done_at = None
             while True:
                 self.check_redis()  # first: every client of the run waits on it, the launcher too

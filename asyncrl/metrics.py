@@ -12,13 +12,6 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Protocol
-
-
-class MetricsSink(Protocol):
-    def log(self, record: dict) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class JsonlSink:
@@ -47,21 +40,26 @@ class RedisSink:
         pass
 
 
-class MemorySink:
-    """For tests: keeps records in a list."""
+class Timings:
+    """Named phase timings of a loop (torchbeast's ``prof.Timings`` habit): ``reset()`` at the top of an
+    iteration, ``time("collect")`` at the end of each phase records the seconds since the last mark."""
 
-    def __init__(self):
-        self.records: list[dict] = []
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
 
-    def log(self, record: dict) -> None:
-        self.records.append(record)
+    def reset(self) -> None:
+        self.seconds = {}
+        self._last = time.perf_counter()
 
-    def close(self) -> None:
-        pass
+    def time(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
 
-
-def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    def record(self, prefix: str = "time/") -> dict[str, float]:
+        """``{"time/<phase>_s": seconds}`` of the current iteration."""
+        return {f"{prefix}{phase}_s": s for phase, s in self.seconds.items()}
 
 
 def setup_logging(log_file: str | Path | None = None, name: str = "asyncrl", level: int = logging.INFO) -> None:

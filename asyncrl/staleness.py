@@ -21,8 +21,13 @@ def staleness(learner_version: int, traj_version: int) -> int:
 
 
 def is_fresh(learner_version: int, traj_version: int, max_policy_lag: int) -> bool:
-    """The staleness bound: the step that starts at ``learner_version`` may use this trajectory."""
-    return staleness(learner_version, traj_version) <= max_policy_lag
+    """The staleness bound: the step that starts at ``learner_version`` may use this trajectory.
+
+    ``0 <= staleness <= k``. A trajectory NEWER than the learner (staleness < 0) can only come from a
+    policy that a learner restart discarded (the restart went back to an older checkpoint): it is not
+    fresh either, it describes weights that no longer exist.
+    """
+    return 0 <= staleness(learner_version, traj_version) <= max_policy_lag
 
 
 def admission_limit(serving_version: int, max_policy_lag: int, groups_per_step: int) -> int:

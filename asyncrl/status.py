@@ -35,12 +35,12 @@ from asyncrl.buffers.base import DEAD_MAX_ENTRIES, STAT_KEYS, BufferUnavailableE
 from asyncrl.buffers.redis_buffer import GROUP, RedisBuffer
 from asyncrl.control import RunControl
 from asyncrl.errors import UserError
+from asyncrl.keys import RUN_MARKERS, RunKeys
 from asyncrl.redis_server import check_redis_url, redact_url, start_redis_server, url_address
 
 PING_TIMEOUT_S = 2.0  # a live server on loopback answers in milliseconds; a dead one must not stall us
 TOP_REASONS = 5
 # Keys that only exist under a run's prefix once the launcher (or a buffer) has touched it.
-RUN_KEYS = ("version", "counters", "traj")
 
 
 @dataclass(frozen=True)
@@ -150,16 +150,16 @@ def _client(url: str) -> redis.Redis:
 def require_run(url: str, prefix: str, where: str) -> None:
     client = _client(url)
     try:
-        if not client.exists(*(prefix + k for k in RUN_KEYS)):
+        if not client.exists(*RunKeys(prefix).markers()):
             raise UserError(f"no run with prefix {prefix!r} in {where}")
     finally:
         client.close()
 
 
 def find_prefixes(client: redis.Redis) -> list[str]:
-    """Every run prefix ``asyncrl:{<run-id>}:`` that has one of :data:`RUN_KEYS` on this server."""
+    """Every run prefix ``asyncrl:{<run-id>}:`` that has one of :data:`asyncrl.keys.RUN_MARKERS` on this server."""
     found = set()
-    for name in RUN_KEYS:
+    for name in RUN_MARKERS:
         for key in client.scan_iter(match=f"asyncrl:{{*}}:{name}", count=1000):
             key = key.decode(errors="replace")
             prefix = key[: key.find("}:") + 2]
@@ -210,14 +210,14 @@ def collect_status(source: Source, buffer: RedisBuffer, control: RunControl, now
         "source": source.origin,
         "state": state,
         "version": version,
-        "meta": {k.decode(): v.decode(errors="replace") for k, v in client.hgetall(source.prefix + "meta").items()},
+        "meta": {k.decode(): v.decode(errors="replace") for k, v in client.hgetall(control.keys.meta).items()},
         "buffer": {
             **counters,
             "lost": lost_groups(stats),
             "live": live_groups(stats),
-            "stream_length": int(client.xlen(source.prefix + "traj")),
+            "stream_length": int(client.xlen(control.keys.traj)),
         },
-        "consumers": consumers(client, source.prefix + "traj", idle_known=source.origin == "live"),
+        "consumers": consumers(client, control.keys.traj, idle_known=source.origin == "live"),
         "dead_letters": dead_letter_summary(buffer, stats["dead"]),
         "staleness": {str(k): v for k, v in sorted(control.staleness_histogram().items())},
         "generators": processes(control, "generator", version, now, ended=state == "ended"),

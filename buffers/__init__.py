@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from asyncrl.buffers.base import STAT_KEYS, Buffer, BufferUnavailableError, DeadLetter, Entry
 from asyncrl.buffers.memory import MemoryBuffer
 from asyncrl.errors import UserError
+from asyncrl.keys import run_prefix
 
 if TYPE_CHECKING:
     from asyncrl.config import BufferConfig
@@ -31,15 +32,10 @@ _memory_lock = threading.Lock()
 _memory_buffers: dict[str, MemoryBuffer] = {}
 
 
-def run_prefix(run_name: str) -> str:
-    """The key prefix of a run: the ``{...}`` hash tag keeps a run's keys in one Redis Cluster slot."""
-    return f"asyncrl:{{{run_name}}}:"
-
-
 def setup(cfg_buffer: BufferConfig, url: str | None, prefix: str) -> Buffer:
     """The buffer named by ``cfg_buffer.type``.
 
-    redis: connects to ``url`` (else ``cfg_buffer.redis_url``) under ``prefix``; every process of a
+    redis: connects to ``url`` (else ``cfg_buffer.url``) under ``prefix``; every process of a
     run passes the same URL and prefix. memory: one buffer per prefix and process, so a generator
     and a learner running as threads of one process share it.
     """
@@ -47,9 +43,9 @@ def setup(cfg_buffer: BufferConfig, url: str | None, prefix: str) -> Buffer:
         with _memory_lock:
             return _memory_buffers.setdefault(prefix, MemoryBuffer())
     if cfg_buffer.type == "redis":
-        url = url or cfg_buffer.redis_url
+        url = url or cfg_buffer.url
         if not url:
-            raise UserError("buffer.type=redis needs a Redis URL (buffer.redis_url or --redis-url)")
+            raise UserError("buffer.type=redis needs a Redis URL (buffer.url or --redis-url)")
         from asyncrl.buffers.redis_buffer import RedisBuffer
 
         return RedisBuffer(url, prefix)

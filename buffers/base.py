@@ -90,10 +90,15 @@ class DeadLetter:
     frame: bytes  # the first DEAD_FRAME_MAX_BYTES of the frame
 
 
+# Groups holding an admission slot: the counters that take a slot minus those that give it back (see
+# the module doc). ``live_groups`` and the Redis admission script are both built from these two tuples.
+SLOT_TAKERS = ("started", "replayed")
+SLOT_RETURNERS = ("abandoned", "dropped_stale", "filtered", "dead")
+
+
 def live_groups(counts: dict[str, int]) -> int:
     """Groups holding an admission slot: started or replayed, and not given back (see module doc)."""
-    returned = counts["abandoned"] + counts["dropped_stale"] + counts["filtered"] + counts["dead"]
-    return counts["started"] + counts["replayed"] - returned
+    return sum(counts[k] for k in SLOT_TAKERS) - sum(counts[k] for k in SLOT_RETURNERS)
 
 
 def lost_groups(counts: dict[str, int]) -> int:

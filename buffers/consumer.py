@@ -36,7 +36,7 @@ import numpy as np
 
 from asyncrl.buffers.base import Buffer, Entry
 from asyncrl.protocol import ProtocolError, TrajectoryGroup, decode_group
-from asyncrl.staleness import staleness
+from asyncrl.staleness import is_fresh
 
 log = logging.getLogger("asyncrl.buffer")
 
@@ -46,20 +46,13 @@ class StopRequested(SystemExit):
 
 
 @dataclasses.dataclass(frozen=True)
-class ConsumerPolicy:
-    max_policy_lag: int
-    replay_times: int = 1
-    filter_zero_variance: bool = False
-    max_frame_bytes: int = 64 << 20
+class ConsumerRules:
+    """What a rank accepts: the lag bound, the replay budget, dynamic filtering, the frame size cap."""
 
-    @classmethod
-    def from_config(cls, cfg) -> ConsumerPolicy:
-        return cls(
-            max_policy_lag=cfg.run.max_policy_lag,
-            replay_times=cfg.buffer.replay_times,
-            filter_zero_variance=cfg.buffer.filter_zero_variance,
-            max_frame_bytes=int(cfg.buffer.max_frame_mb * (1 << 20)),
-        )
+    max_policy_lag: int  # k: run.max_policy_lag
+    replay_times: int = 1  # buffer.replay_times
+    filter_zero_variance: bool = False  # buffer.filter_zero_variance or the preset's dynamic filtering
+    max_frame_bytes: int = 64 << 20  # buffer.max_frame_mb
 
 
 @dataclasses.dataclass
@@ -82,31 +75,27 @@ class Batch:
         return [h.group for h in self.items]
 
 
-def judge(group: TrajectoryGroup, version: int, policy: ConsumerPolicy) -> str | None:
-    """Why a decoded group is not usable at learner ``version`` (an outcome), or None if it is.
-
-    A version above the learner's can only come from a policy a learner restart discarded.
-    """
-    s = staleness(version, group.version)
-    if s > policy.max_policy_lag or s < 0:
+def judge(group: TrajectoryGroup, version: int, rules: ConsumerRules) -> str | None:
+    """Why a decoded group is not usable at learner ``version`` (an outcome), or None if it is."""
+    if not is_fresh(version, group.version, rules.max_policy_lag):
         return "stale"
-    if policy.filter_zero_variance and np.ptp(group.rewards) == 0:
+    if rules.filter_zero_variance and np.ptp(group.rewards) == 0:
         return "filtered"
     return None
 
 
-def decode_checked(entry: Entry, policy: ConsumerPolicy) -> TrajectoryGroup:
+def decode_checked(entry: Entry, rules: ConsumerRules) -> TrajectoryGroup:
     """The entry's group; :class:`ProtocolError` (the dead-letter reason) if it must not be used."""
-    if len(entry.frame) > policy.max_frame_bytes:
+    if len(entry.frame) > rules.max_frame_bytes:
         raise ProtocolError(f"frame of {len(entry.frame)} bytes exceeds buffer.max_frame_mb")
     return decode_group(entry.frame)
 
 
 class BatchConsumer:
-    def __init__(self, buffer: Buffer, consumer: str, policy: ConsumerPolicy):
+    def __init__(self, buffer: Buffer, consumer: str, rules: ConsumerRules):
         self.buffer = buffer
         self.consumer = consumer
-        self.policy = policy
+        self.rules = rules
         self.pool: dict[str, Held] = {}  # trained, budget left, pending: replay candidates
         self.done: dict[str, Held] = {}  # trained, budget spent or stale: acknowledged at commit
         self.fresh: list[Held] = []  # judged usable, never trained (recovered or read ahead)
@@ -152,7 +141,7 @@ class BatchConsumer:
     def _take_fresh(self, need: int, version: int, counts: dict[str, int]) -> list[Held]:
         items, keep = [], []
         for held in self.fresh:
-            reason = judge(held.group, version, self.policy)
+            reason = judge(held.group, version, self.rules)
             if reason is not None:
                 self._ack_unused([held.entry_id], reason, counts)
             elif len(items) < need:
@@ -174,7 +163,7 @@ class BatchConsumer:
 
     def _retire_stale_replays(self, version: int) -> None:
         for held in list(self.pool.values()):
-            if judge(held.group, version, self.policy) is not None:
+            if judge(held.group, version, self.rules) is not None:
                 del self.pool[held.entry_id]
                 self.done[held.entry_id] = held  # trained already: acknowledged as trained at commit
 
@@ -184,13 +173,13 @@ class BatchConsumer:
         unused: dict[str, list[str]] = {"stale": [], "filtered": []}
         for entry in entries:
             try:
-                group = decode_checked(entry, self.policy)
+                group = decode_checked(entry, self.rules)
             except ProtocolError as exc:
                 if self.buffer.dead_letter(entry.entry_id, entry.frame, str(exc), entry.producer):
                     counts["dead"] += 1
                 log.warning("dead letter %s from %s: %s", entry.entry_id, entry.producer, exc)
                 continue
-            reason = judge(group, version, self.policy)
+            reason = judge(group, version, self.rules)
             if reason is None:
                 usable.append(Held(entry.entry_id, group))
             else:
@@ -220,7 +209,7 @@ class BatchConsumer:
         """The optimizer step that used ``batch`` is done."""
         for held in batch.items:
             held.uses += 1
-            if held.uses >= self.policy.replay_times:
+            if held.uses >= self.rules.replay_times:
                 self.done[held.entry_id] = held
             else:
                 self.pool[held.entry_id] = held
@@ -254,9 +243,9 @@ class BatchConsumer:
                 self.fresh += usable
                 counts["fresh"] += len(usable)
                 continue
-            group = decode_checked(entry, self.policy)  # it decoded when it was trained
+            group = decode_checked(entry, self.rules)  # it decoded when it was trained
             held = Held(entry.entry_id, group, used)
-            if used >= self.policy.replay_times or judge(group, version, self.policy) is not None:
+            if used >= self.rules.replay_times or judge(group, version, self.rules) is not None:
                 trained_ids.append(entry.entry_id)  # its effect is in the committed model
             else:
                 self.pool[entry.entry_id] = held

@@ -23,7 +23,7 @@ from asyncrl.buffers.base import (
     check_count,
     live_groups,
 )
-from asyncrl.staleness import admission_limit
+from asyncrl.staleness import may_start_group
 
 
 class _Pending:
@@ -52,11 +52,10 @@ class MemoryBuffer(Buffer):
     def try_start_group(
         self, serving_version: int, max_policy_lag: int, groups_per_step: int, token: str | None = None
     ) -> int | None:
-        limit = admission_limit(serving_version, max_policy_lag, groups_per_step)
         with self._cond:
             if token is not None and token in self._once:
                 seq = self._once[token]
-            elif live_groups(self._counters) >= limit:
+            elif not may_start_group(serving_version, live_groups(self._counters), max_policy_lag, groups_per_step):
                 seq = -1
             else:
                 seq = self._counters["started"]

@@ -1,19 +1,7 @@
 """The buffer on a real Redis server, shared by any number of generator and learner processes.
 
-Key layout (``P`` is the run's prefix, e.g. ``asyncrl:{demo}:``; the ``{...}`` hash tag puts every
-key of a run in one Redis Cluster slot, which multi-key Lua scripts need):
-
-=================  =======  ==========================================================================
-key                type     contents
-=================  =======  ==========================================================================
-``P traj``         stream   one entry per group: ``gid`` (group id), ``producer``, ``frame`` (msgpack);
-                            consumer group ``learners``, one consumer per learner rank
-``P dead``         stream   ``reason``, ``producer``, ``size``, ``frame`` (first 1 MiB); ~1000 kept
-``P counters``     hash     the counters of :data:`~asyncrl.buffers.base.COUNTER_KEYS`
-``P seen``         zset     the last ``SEEN_WINDOW`` group ids pushed, scored by push order (dedup)
-``P once:<token>`` string   the answer to an admission or release, for its retries; expires
-``P version``      string   the learner's policy version (absent: 0)
-=================  =======  ==========================================================================
+Keys (``traj``, ``dead``, ``counters``, ``seen``, ``once:<token>``, ``version`` under the run's prefix)
+are listed with every other key of a run in ``asyncrl.keys``.
 
 Atomicity: admission (compare and increment), acknowledgement (XACK, XDEL of exactly the
 acknowledged ids, count the outcome) and dead letters (the same plus the dead-letter append) are Lua
@@ -54,6 +42,8 @@ from asyncrl.buffers.base import (
     IDEMPOTENCY_TTL_S,
     OUTCOMES,
     SEEN_WINDOW,
+    SLOT_RETURNERS,
+    SLOT_TAKERS,
     Buffer,
     BufferUnavailableError,
     DeadLetter,
@@ -62,6 +52,7 @@ from asyncrl.buffers.base import (
     new_token,
 )
 from asyncrl.errors import UserError
+from asyncrl.keys import RunKeys
 from asyncrl.redis_server import url_address
 from asyncrl.staleness import admission_limit
 
@@ -73,21 +64,26 @@ _SOCKET_TIMEOUT_S = 30.0
 
 # KEYS: counters, once-token. ARGV: limit, ttl. Returns the new group's sequence number, or -1 when
 # refused; a retry with the same token returns the first answer without counting again.
+# ``live`` is base.live_groups, spelled in Lua from the same SLOT_TAKERS / SLOT_RETURNERS tuples.
 _ADMIT = """
 local prev = redis.call('GET', KEYS[2])
 if prev then return tonumber(prev) end
-local c = redis.call('HMGET', KEYS[1], 'started', 'replayed', 'abandoned', 'dropped_stale', 'filtered', 'dead')
-local n = {}
-for i = 1, 6 do n[i] = tonumber(c[i]) or 0 end
-local live = n[1] + n[2] - n[3] - n[4] - n[5] - n[6]
+local takers = redis.call('HMGET', KEYS[1], %(takers)s)
+local returners = redis.call('HMGET', KEYS[1], %(returners)s)
+local live = 0
+for _, v in ipairs(takers) do live = live + (tonumber(v) or 0) end
+for _, v in ipairs(returners) do live = live - (tonumber(v) or 0) end
 local seq = -1
 if live < tonumber(ARGV[1]) then
+  seq = tonumber(redis.call('HGET', KEYS[1], 'started')) or 0
   redis.call('HINCRBY', KEYS[1], 'started', 1)
-  seq = n[1]
 end
 redis.call('SET', KEYS[2], seq, 'EX', ARGV[2])
 return seq
-"""
+""" % {
+    "takers": ", ".join(f"'{k}'" for k in SLOT_TAKERS),
+    "returners": ", ".join(f"'{k}'" for k in SLOT_RETURNERS),
+}
 
 # KEYS: counters, once-token. ARGV: field, n, ttl. Adds n to a counter once per token.
 _INCR_ONCE = """
@@ -205,11 +201,7 @@ class RedisBuffer(Buffer):
             socket_timeout=_SOCKET_TIMEOUT_S,
             health_check_interval=30,
         )
-        self._k_traj = self._key("traj")
-        self._k_dead = self._key("dead")
-        self._k_counters = self._key("counters")
-        self._k_seen = self._key("seen")
-        self._k_version = self._key("version")
+        self.keys = RunKeys(self.prefix)
         self._admit = self._r.register_script(_ADMIT)
         self._ack = self._r.register_script(_ACK)
         self._dead = self._r.register_script(_DEAD)
@@ -220,14 +212,11 @@ class RedisBuffer(Buffer):
             self._r.close()
             raise UserError(f"Redis at {self.address} refused the credentials: {exc}") from None
 
-    def _key(self, name: str) -> str:
-        return self.prefix + name
-
     @_retrying
     def _ensure_group(self) -> None:
         """Create the stream and its consumer group if missing (idempotent, any process may race)."""
         try:
-            self._r.xgroup_create(self._k_traj, GROUP, id="0", mkstream=True)
+            self._r.xgroup_create(self.keys.traj, GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -243,15 +232,15 @@ class RedisBuffer(Buffer):
 
     @_retrying
     def _admit_once(self, token: str, limit: int) -> int:
-        return int(self._admit(keys=[self._k_counters, self._key(f"once:{token}")], args=[limit, IDEMPOTENCY_TTL_S]))
+        return int(self._admit(keys=[self.keys.counters, self.keys.once(token)], args=[limit, IDEMPOTENCY_TTL_S]))
 
     @_retrying
     def push(self, group_id: str, frame: bytes, producer: str = "unknown") -> bool:
         pipe = self._r.pipeline(transaction=True)  # MULTI/EXEC, one round trip
-        pipe.xadd(self._k_traj, {"gid": group_id, "producer": producer, "frame": frame})
+        pipe.xadd(self.keys.traj, {"gid": group_id, "producer": producer, "frame": frame})
         # EVAL, not EVALSHA: after a server restart EVALSHA would fail with NOSCRIPT inside EXEC,
         # after the XADD had run. The script body costs ~1 KB per push next to a ~100 KB frame.
-        pipe.eval(_PUSH, 3, self._k_seen, self._k_traj, self._k_counters, group_id, SEEN_WINDOW)
+        pipe.eval(_PUSH, 3, self.keys.seen, self.keys.traj, self.keys.counters, group_id, SEEN_WINDOW)
         return bool(pipe.execute()[1])
 
     def release(self, n: int = 1, token: str | None = None) -> None:
@@ -266,7 +255,7 @@ class RedisBuffer(Buffer):
 
     @_retrying
     def _count_once(self, field: str, n: int, token: str) -> None:
-        keys = [self._k_counters, self._key(f"once:{token}")]
+        keys = [self.keys.counters, self.keys.once(token)]
         self._incr_once(keys=keys, args=[field, n, IDEMPOTENCY_TTL_S])
 
     # ----- learner ranks ----------------------------------------------------------------------
@@ -287,14 +276,14 @@ class RedisBuffer(Buffer):
         return [_entry(eid, fields) for _, entries in reply or [] for eid, fields in entries if fields]
 
     def _read(self, consumer: str, count: int, block: int | None):
-        return self._r.xreadgroup(GROUP, consumer, {self._k_traj: ">"}, count=count, block=block)
+        return self._r.xreadgroup(GROUP, consumer, {self.keys.traj: ">"}, count=count, block=block)
 
     @_retrying
     def pending(self, consumer: str) -> list[Entry]:
         out: list[Entry] = []
         start = "0"
         while True:  # reading id "0" onwards returns this consumer's pending entries, in order
-            reply = self._r.xreadgroup(GROUP, consumer, {self._k_traj: start}, count=1000)
+            reply = self._r.xreadgroup(GROUP, consumer, {self.keys.traj: start}, count=1000)
             entries = [(eid, fields) for _, batch in reply or [] for eid, fields in batch]
             if not entries:
                 return out
@@ -307,7 +296,7 @@ class RedisBuffer(Buffer):
         out: list[str] = []
         start = "-"
         while True:
-            rows = self._r.xpending_range(self._k_traj, GROUP, min=start, max="+", count=1000, consumername=consumer)
+            rows = self._r.xpending_range(self.keys.traj, GROUP, min=start, max="+", count=1000, consumername=consumer)
             out.extend(_id(r["message_id"]) for r in rows)
             if len(rows) < 1000:
                 return out
@@ -320,7 +309,7 @@ class RedisBuffer(Buffer):
         start = "0-0"
         while len(out) < count:
             reply = self._r.xautoclaim(
-                self._k_traj, GROUP, consumer, min_idle_ms, start_id=start, count=count - len(out)
+                self.keys.traj, GROUP, consumer, min_idle_ms, start_id=start, count=count - len(out)
             )
             start, claimed = reply[0], reply[1]
             out.extend(_entry(eid, fields) for eid, fields in claimed if fields)
@@ -333,11 +322,11 @@ class RedisBuffer(Buffer):
         counter = _outcome_counter(outcome)
         if not entry_ids:
             return 0
-        return int(self._ack(keys=[self._k_traj, self._k_counters], args=[GROUP, counter, *entry_ids]))
+        return int(self._ack(keys=[self.keys.traj, self.keys.counters], args=[GROUP, counter, *entry_ids]))
 
     @_retrying
     def dead_letter(self, entry_id: str, frame: bytes, reason: str, producer: str) -> bool:
-        keys = [self._k_traj, self._k_counters, self._k_dead]
+        keys = [self.keys.traj, self.keys.counters, self.keys.dead]
         head = bytes(frame[:DEAD_FRAME_MAX_BYTES])
         args = [GROUP, entry_id, str(reason), str(producer), len(frame), head, DEAD_MAX_ENTRIES]
         return bool(self._dead(keys=keys, args=args))
@@ -347,7 +336,7 @@ class RedisBuffer(Buffer):
         check_count("count", count)
         if count == 0:
             return []
-        rows = self._r.xrevrange(self._k_dead, count=count)
+        rows = self._r.xrevrange(self.keys.dead, count=count)
         return [
             DeadLetter(
                 reason=f[b"reason"].decode(errors="replace"),
@@ -362,19 +351,19 @@ class RedisBuffer(Buffer):
 
     @_retrying
     def set_version(self, v: int) -> None:
-        self._r.set(self._k_version, int(v))
+        self._r.set(self.keys.version, int(v))
 
     @_retrying
     def get_version(self) -> int:
-        raw = self._r.get(self._k_version)
+        raw = self._r.get(self.keys.version)
         return int(raw) if raw is not None else 0
 
     @_retrying
     def stats(self) -> dict[str, int]:
         pipe = self._r.pipeline(transaction=True)  # MULTI/EXEC: one consistent snapshot
-        pipe.hgetall(self._k_counters)
-        pipe.xlen(self._k_traj)
-        pipe.xpending(self._k_traj, GROUP)
+        pipe.hgetall(self.keys.counters)
+        pipe.xlen(self.keys.traj)
+        pipe.xpending(self.keys.traj, GROUP)
         counters, length, pending = pipe.execute()
         out = {k: int(counters.get(k.encode(), 0)) for k in COUNTER_KEYS}
         out["pending"] = int(pending["pending"])

@@ -5,7 +5,7 @@ call them.
 
 Checkpoints live in ``<run>/checkpoint/version-<v>/`` (DeepSpeed's files plus each rank's
 ``asyncrl-rank<r>.json``: the buffer entries it holds and how often each was trained). A checkpoint
-is *committed* when ``<run>/checkpoint/committed.json`` names it; it is written (atomically, by rank
+is *committed* when the marker of ``learners.checkpoint`` names it; it is written (atomically, by rank
 0) only after every rank saved, and a restarted learner resumes from it, nothing else.
 """
 
@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from asyncrl.config import Config
+from asyncrl.config import LearnerConfig, ModelConfig
+from asyncrl.learners.checkpoint import read_committed, write_atomic, write_committed
 
 
-def init_distributed(cfg: Config) -> None:
-    backend = cfg.learner.backend
+def init_distributed(backend: str) -> None:
+    """Join the learner ranks' default process group; ``backend`` auto = nccl on GPU, gloo on CPU."""
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not torch.cuda.is_available():
@@ -34,11 +35,11 @@ def init_distributed(cfg: Config) -> None:
     dist.init_process_group(backend)
 
 
-def lr_lambda(cfg: Config):
-    """Linear warm-up, then cosine decay to ``lr_final_ratio`` at the last step. Counted in batches
+def lr_lambda(learner: LearnerConfig, steps: int):
+    """Linear warm-up, then cosine decay to ``lr_final_ratio`` at version ``steps``. Counted in batches
     (policy versions): the optimizer steps of one batch (``minibatches`` x ``epochs``) share its lr."""
-    steps, warmup, final = cfg.run.steps, cfg.learner.warmup_steps, cfg.learner.lr_final_ratio
-    per_batch = cfg.learner.minibatches * cfg.learner.epochs
+    warmup, final = learner.warmup_steps, learner.lr_final_ratio
+    per_batch = learner.minibatches * learner.epochs
 
     def factor(optimizer_step: int) -> float:
         step = optimizer_step // per_batch
@@ -50,23 +51,24 @@ def lr_lambda(cfg: Config):
     return factor
 
 
-def build_engine(cfg: Config, model=None, lr: float | None = None):
-    """A DeepSpeed engine with AdamW + schedule around ``model`` (default: the policy at ``model.path``)."""
+def build_engine(learner: LearnerConfig, model_cfg: ModelConfig, steps: int, model=None, lr: float | None = None):
+    """A DeepSpeed engine with AdamW + schedule around ``model`` (default: the policy at ``model.path``);
+    ``steps`` is the run's last version (the schedule's end)."""
     import deepspeed
     from transformers import AutoModelForCausalLM
 
     if model is None:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
-    lr = cfg.learner.lr if lr is None else lr
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.learner.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=getattr(torch, model_cfg.dtype))
+    lr = learner.lr if lr is None else lr
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=learner.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(learner, steps))
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,  # we feed whole per-rank batches ourselves
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": cfg.learner.grad_clip,
-        "zero_optimization": {"stage": cfg.learner.zero_stage},
-        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
-        "fp16": {"enabled": cfg.model.dtype == "float16"},
+        "gradient_clipping": learner.grad_clip,
+        "zero_optimization": {"stage": learner.zero_stage},
+        "bf16": {"enabled": model_cfg.dtype == "bfloat16"},
+        "fp16": {"enabled": model_cfg.dtype == "float16"},
         "steps_per_print": 10**9,
     }
     engine, *_ = deepspeed.initialize(
@@ -86,9 +88,6 @@ def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
         return {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()}
 
 
-COMMITTED = "committed.json"
-
-
 CRITIC_TAG = "critic"  # a critic engine's files: <run>/checkpoint/version-<v>/critic/
 
 
@@ -101,10 +100,10 @@ def save_checkpoint(engine, ckpt_dir: Path, version: int, rank_state: dict, crit
     if critic is not None:
         critic.save_checkpoint(str(ckpt_dir / tag), tag=CRITIC_TAG, save_latest=False)
     (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
-    _write_atomic(ckpt_dir / tag / f"asyncrl-rank{rank}.json", json.dumps(rank_state))
+    write_atomic(ckpt_dir / tag / f"asyncrl-rank{rank}.json", json.dumps(rank_state))
     dist.barrier()  # every rank's files are on disk before the commit names them
     if rank == 0:
-        _write_atomic(ckpt_dir / COMMITTED, json.dumps({"version": version, "tag": tag}))
+        write_committed(ckpt_dir, version, tag)
         for old in ckpt_dir.glob("version-*"):
             if old.name != tag:
                 shutil.rmtree(old, ignore_errors=True)
@@ -114,10 +113,9 @@ def save_checkpoint(engine, ckpt_dir: Path, version: int, rank_state: dict, crit
 def load_committed(engine, ckpt_dir: Path, critic=None) -> tuple[int, dict] | None:
     """Restore the committed checkpoint (policy, and critic if any): (its version, this rank's saved
     state), or None if none."""
-    marker = ckpt_dir / COMMITTED
-    if not marker.is_file():
+    committed = read_committed(ckpt_dir)
+    if committed is None:
         return None
-    committed = json.loads(marker.read_text())
     path, _ = engine.load_checkpoint(str(ckpt_dir), tag=committed["tag"])
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the committed checkpoint {ckpt_dir / committed['tag']}")
@@ -127,24 +125,15 @@ def load_committed(engine, ckpt_dir: Path, critic=None) -> tuple[int, dict] | No
             raise RuntimeError(f"DeepSpeed could not load the critic of {ckpt_dir / committed['tag']}")
     state_file = ckpt_dir / committed["tag"] / f"asyncrl-rank{dist.get_rank()}.json"
     state = json.loads(state_file.read_text()) if state_file.is_file() else {}
-    return int(committed["version"]), state
+    return committed["version"], state
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def export_hf(engine, cfg: Config, run_dir: Path, state_dict: dict | None) -> None:
-    """On rank 0, an HF export of ``state_dict`` that transformers and vLLM load."""
+def export_hf(engine, model_path: str, export: Path, state_dict: dict | None) -> None:
+    """On rank 0, an HF export of ``state_dict`` (with ``model_path``'s tokenizer) that transformers and
+    vLLM load."""
     if dist.get_rank() == 0 and state_dict is not None:
         from transformers import AutoTokenizer
 
-        export = run_dir / "export"
         engine.module.save_pretrained(export, state_dict=state_dict)
-        AutoTokenizer.from_pretrained(cfg.model.path).save_pretrained(export)
+        AutoTokenizer.from_pretrained(model_path).save_pretrained(export)
     dist.barrier()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from asyncrl.config import Config
+from asyncrl.config import LearnerConfig, ModelConfig
 
 __all__ = ["ValueModel", "build_critic", "load_reference", "reference_logprobs"]
 
@@ -33,21 +33,22 @@ class ValueModel(nn.Module):
         return self.head(hidden[:, :-1]).squeeze(-1).float()
 
 
-def build_critic(cfg: Config):
-    """A DeepSpeed engine around ``ValueModel`` on a fresh copy of ``model.path``'s base model."""
+def build_critic(learner: LearnerConfig, model_cfg: ModelConfig, steps: int, lr: float | None):
+    """A DeepSpeed engine around ``ValueModel`` on a fresh copy of ``model.path``'s base model
+    (``lr`` None: the policy's)."""
     from transformers import AutoModel
 
     from asyncrl.learners.engine import build_engine
 
-    base = AutoModel.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
-    model = ValueModel(base, base.config.hidden_size).to(getattr(torch, cfg.model.dtype))
-    return build_engine(cfg, model=model, lr=cfg.algorithm.critic_lr or cfg.learner.lr)
+    base = AutoModel.from_pretrained(model_cfg.path, dtype=getattr(torch, model_cfg.dtype))
+    model = ValueModel(base, base.config.hidden_size).to(getattr(torch, model_cfg.dtype))
+    return build_engine(learner, model_cfg, steps, model=model, lr=lr)
 
 
-def load_reference(cfg: Config, device) -> nn.Module:
+def load_reference(model_cfg: ModelConfig, device) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+    ref = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=getattr(torch, model_cfg.dtype))
     return ref.to(device).eval().requires_grad_(False)
 
 

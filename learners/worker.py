@@ -23,15 +23,16 @@ import argparse
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from asyncrl import buffers
-from asyncrl.buffers.consumer import BatchConsumer, ConsumerPolicy, StopRequested
-from asyncrl.config import Config, load_config
+from asyncrl.buffers.consumer import Batch, BatchConsumer, ConsumerRules, StopRequested
+from asyncrl.config import AlgorithmConfig, Config, LearnerConfig, ModelConfig, load_config
 from asyncrl.control import RunControl, connect
 from asyncrl.learners.advantages import overlong_penalty
 from asyncrl.learners.engine import (
@@ -56,8 +57,8 @@ from asyncrl.learners.objective import (
     step_loss,
     take_rows,
 )
-from asyncrl.learners.presets import Preset, from_config
-from asyncrl.metrics import RedisSink, setup_logging
+from asyncrl.learners.presets import Preset
+from asyncrl.metrics import RedisSink, Timings, setup_logging
 from asyncrl.protocol import TrajectoryGroup
 from asyncrl.staleness import staleness
 from asyncrl.weights import setup_publisher
@@ -65,8 +66,11 @@ from asyncrl.weights import setup_publisher
 log = logging.getLogger("asyncrl.learner")
 
 
-def make_batch(groups: list[TrajectoryGroup], cfg: Config, preset: Preset, pad_id: int, version: int) -> dict:
-    """Padded tensors of this rank's groups: ids, masks, behaviour log-probs, rewards, group ids."""
+def make_batch(groups: list[TrajectoryGroup], max_len: int, preset: Preset, pad_id: int, version: int) -> dict:
+    """Padded tensors of this rank's groups: ids, masks, behaviour log-probs, rewards, group ids.
+
+    ``max_len`` is the generation limit (``generator.max_new_tokens``): the DAPO overlong penalty's scale.
+    """
     seqs = [(g.prompt_ids, s.tokens, s.logprobs) for g in groups for s in g.samples]
     batch = pad_batch(seqs, pad_id)
     # 1.0 where a response token was produced by the version this learner holds (for the mismatch metric)
@@ -77,7 +81,7 @@ def make_batch(groups: list[TrajectoryGroup], cfg: Config, preset: Preset, pad_i
     batch["same_version"] = same
     rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
     lengths = torch.tensor([len(s.tokens) for g in groups for s in g.samples])
-    shaping = overlong_penalty(lengths, cfg.generator.max_new_tokens, preset.overlong_buffer, preset.overlong_penalty)
+    shaping = overlong_penalty(lengths, max_len, preset.overlong_buffer, preset.overlong_penalty)
     batch["rewards"] = (rewards + shaping).to(torch.float32)
     batch["group_ids"] = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
     return batch
@@ -92,14 +96,31 @@ class Models:
     reference: torch.nn.Module | None = None  # frozen initial policy, for the KL term
 
 
-def build_models(cfg: Config, preset: Preset) -> Models:
-    policy = build_engine(cfg)
-    critic = build_critic(cfg) if preset.needs_critic else None
-    reference = load_reference(cfg, policy.device) if preset.uses_kl else None
+@dataclass(frozen=True)
+class Sampling:
+    """What the learner must know of the generators' sampling to score their tokens."""
+
+    temperature: float  # pi and mu must be of the same (tempered) distribution
+    max_len: int  # generator.max_new_tokens: L_max of seq-mean-token-sum, the overlong penalty's scale
+
+
+def build_models(learner: LearnerConfig, model_cfg: ModelConfig, algorithm: AlgorithmConfig, steps: int) -> Models:
+    preset = algorithm.preset
+    policy = build_engine(learner, model_cfg, steps)
+    critic = build_critic(learner, model_cfg, steps, algorithm.critic_lr) if preset.needs_critic else None
+    reference = load_reference(model_cfg, policy.device) if preset.uses_kl else None
     return Models(policy, critic, reference)
 
 
-def train_step(models: Models, batch: dict, cfg: Config, preset: Preset, world: int, reducer: Reducer | None = None):
+def train_step(
+    models: Models,
+    batch: dict,
+    preset: Preset,
+    learner: LearnerConfig,
+    sampling: Sampling,
+    world: int,
+    reducer: Reducer | None = None,
+):
     """Forward, the preset's losses, backward, optimizer step(s). Returns (StepLoss, mismatch sums).
 
     With ``learner.minibatches`` x ``learner.epochs`` == 1: one forward, one optimizer step; pi_prox and
@@ -111,10 +132,10 @@ def train_step(models: Models, batch: dict, cfg: Config, preset: Preset, world: 
     engine = models.policy
     reducer = reducer if reducer is not None else DistReducer()
     batch = {k: v.to(engine.device) for k, v in batch.items()}
-    temperature, max_len = cfg.generator.temperature, cfg.generator.max_new_tokens
+    temperature, max_len = sampling.temperature, sampling.max_len
     ref = reference_logprobs(models.reference, batch, temperature) if models.reference is not None else None
     step = StepBatch(batch["rewards"], batch["group_ids"], batch["response_mask"], batch["behaviour_logprobs"])
-    if cfg.learner.minibatches * cfg.learner.epochs == 1:
+    if learner.minibatches * learner.epochs == 1:
         logprobs, values = _forward(models, batch, temperature)
         out = step_loss(preset, step, logprobs, reducer, world, max_len, ref_logprobs=ref, values=values)
         _optimizer_step(models, out)
@@ -123,8 +144,8 @@ def train_step(models: Models, batch: dict, cfg: Config, preset: Preset, world: 
         prox, old_values = _forward(models, batch, temperature)
     inputs = prepare_batch(preset, step, prox, reducer, ref_logprobs=ref, old_values=old_values)
     outs = []
-    for _ in range(cfg.learner.epochs):
-        for rows in minibatch_rows(step.group_ids, cfg.learner.minibatches):
+    for _ in range(learner.epochs):
+        for rows in minibatch_rows(step.group_ids, learner.minibatches):
             sub = {k: batch[k][rows] for k in ("input_ids", "attention_mask")}
             logprobs, values = _forward(models, sub, temperature)
             out = minibatch_loss(
@@ -159,10 +180,10 @@ def _mismatch(logprobs: torch.Tensor, batch: dict) -> tuple[float, float]:
     return float(diff.sum()), float(batch["same_version"].sum())
 
 
-def restore(models: Models, consumer: BatchConsumer, cfg: Config, rank: int) -> int:
+def restore(models: Models, consumer: BatchConsumer, ckpt_dir: Path, rank: int) -> int:
     """Resume from the committed checkpoint (policy and critic), if any; take back this rank's pending
     entries. Returns the version to continue from (0 on a fresh start)."""
-    restored = load_committed(models.policy, cfg.run_dir / "checkpoint", critic=models.critic)
+    restored = load_committed(models.policy, ckpt_dir, critic=models.critic)
     version, uses = restored if restored is not None else (0, {})
     counts = consumer.recover(version, uses)
     if restored is not None or any(counts.values()):
@@ -170,26 +191,72 @@ def restore(models: Models, consumer: BatchConsumer, cfg: Config, rank: int) -> 
     return version
 
 
-def commit_due(cfg: Config, version: int) -> bool:
-    every = cfg.learner.checkpoint_every
-    return every > 0 and version % every == 0 and version < cfg.run.steps
+def commit_due(learner: LearnerConfig, version: int, steps: int) -> bool:
+    """Whether a checkpoint is committed after the step that made ``version`` (the last one always is)."""
+    every = learner.checkpoint_every
+    return every > 0 and version % every == 0 and version < steps
+
+
+def step_sums(groups: list[TrajectoryGroup], batch: Batch, stale: list[int], mismatch: tuple[float, float]) -> dict:
+    """This rank's share of a step's metrics, as sums to all-reduce over the ranks."""
+    samples = [s for g in groups for s in g.samples]
+    return {
+        "stale_sum": sum(stale),
+        "groups": len(stale),
+        "dropped_stale": batch.counts["stale"],
+        "dead": batch.counts["dead"],
+        "filtered": batch.counts["filtered"],
+        "replays": batch.replays,
+        "mismatch_sum": mismatch[0],
+        "mismatch_tokens": mismatch[1],
+        "reward_sum": sum(s.reward for s in samples),
+        "samples": len(samples),
+        "tokens": sum(len(s.tokens) for s in samples),
+    }
+
+
+def step_record(version: int, out: StepLoss, total: dict, max_stale: float, lr: float) -> dict:
+    """The ``metrics.jsonl`` record of the step that made ``version``, from the sums over every rank."""
+    return {
+        **out.metrics,  # the algorithm's: loss, correction, KL, critic
+        "learner/version": version,
+        "learner/tokens": total["tokens"],
+        "learner/lr": lr,
+        "learner/behaviour_logprob_mismatch": (
+            total["mismatch_sum"] / total["mismatch_tokens"] if total["mismatch_tokens"] else None
+        ),
+        "learner/reward_mean": total["reward_sum"] / total["samples"],
+        "learner/samples": total["samples"],
+        "buffer/staleness_mean": total["stale_sum"] / total["groups"],
+        "buffer/staleness_max": max_stale,
+        "buffer/dropped_stale": total["dropped_stale"],
+        "buffer/dead_letters": total["dead"],
+        "buffer/filtered_groups": total["filtered"],
+        "buffer/replays": total["replays"],
+    }
 
 
 def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None:
+    """The learner rank's loop (the module doc's phases), from its restored version to ``run.steps``."""
     from transformers import AutoTokenizer
 
     pad_id = AutoTokenizer.from_pretrained(cfg.model.path).pad_token_id
-    preset = from_config(cfg.algorithm)
-    models = build_models(cfg, preset)
+    preset = cfg.algorithm.preset
+    models = build_models(cfg.learner, cfg.model, cfg.algorithm, cfg.run.steps)
     engine = models.policy
+    sampling = Sampling(cfg.generator.temperature, cfg.generator.max_new_tokens)
     metrics = RedisSink(control, f"learner/{rank}")
     reducer = DistReducer()
     need = cfg.learner.groups_per_step // world
-    policy = ConsumerPolicy.from_config(cfg)
-    policy = replace(policy, filter_zero_variance=policy.filter_zero_variance or preset.dynamic_filtering)
-    consumer = BatchConsumer(buffer, f"rank{rank}", policy)
+    rules = ConsumerRules(
+        max_policy_lag=cfg.run.max_policy_lag,
+        replay_times=cfg.buffer.replay_times,
+        filter_zero_variance=cfg.buffer.filter_zero_variance or preset.dynamic_filtering,
+        max_frame_bytes=int(cfg.buffer.max_frame_mb * (1 << 20)),
+    )
+    consumer = BatchConsumer(buffer, f"rank{rank}", rules)
     ckpt_dir = cfg.run_dir / "checkpoint"
-    start = restore(models, consumer, cfg, rank)
+    start = restore(models, consumer, ckpt_dir, rank)
     if rank == 0:
         log.info("algorithm %s: %s", cfg.algorithm.name, preset)
     publisher = setup_publisher(cfg.weights) if rank == 0 else None
@@ -199,74 +266,49 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         publisher.publish(start, state)
         control.set_meta("weights_address", publisher.address)
     t_start = time.time()
+    timings = Timings()
     for version in range(start, cfg.run.steps):
+        timings.reset()
         # 1. collect
-        t0 = time.perf_counter()
         batch = consumer.take(need, version, cfg.buffer.block_ms, stop=control.stop_requested)
         groups = batch.groups
-        t_collect = time.perf_counter() - t0
         stale = [staleness(version, g.version) for g in groups]
+        timings.time("collect")
         # 2-3. loss and step
-        t0 = time.perf_counter()
-        out, mismatch = train_step(models, make_batch(groups, cfg, preset, pad_id, version), cfg, preset, world)
+        out, mismatch = train_step(
+            models, make_batch(groups, sampling.max_len, preset, pad_id, version), preset, cfg.learner, sampling, world
+        )
         step_end_at = time.time()
         consumer.trained(batch)
         control.count_staleness(stale)
-        t_train = time.perf_counter() - t0
+        timings.time("train")
         # 4. publish
-        t0 = time.perf_counter()
         state = full_state_dict(engine, cfg.learner.zero_stage)
         if publisher is not None:
             buffer.set_version(version + 1)
             publisher.publish(version + 1, state)
-        t_publish = time.perf_counter() - t0
+        timings.time("publish")
         # 5. commit
-        t0 = time.perf_counter()
-        if commit_due(cfg, version + 1):
+        if commit_due(cfg.learner, version + 1, cfg.run.steps):
             save_checkpoint(engine, ckpt_dir, version + 1, consumer.checkpoint_state(), critic=models.critic)
             consumer.commit()
         elif cfg.learner.checkpoint_every == 0 and not cfg.learner.checkpoint:
             consumer.commit()  # nothing to resume from: a step is the only commit point there is
-        t_commit = time.perf_counter() - t0
+        timings.time("commit")
         # metrics: global over ranks
-        c = batch.counts
-        local = [sum(stale), len(stale), c["stale"], c["dead"], c["filtered"], batch.replays]
-        samples = [s for g in groups for s in g.samples]
-        mine = [sum(s.reward for s in samples), len(samples), sum(len(s.tokens) for s in samples)]
-        sums = reducer.sum([*local, *mismatch, *mine])
+        total = reducer.sum_dict(step_sums(groups, batch, stale, mismatch))
         (max_stale,) = reducer.max([max(stale)])
         if rank == 0:
-            stale_sum, n_groups, dropped_all, dead_all, filtered_all, replays_all, mm_sum, mm_count = sums[:8]
-            reward_sum, n_samples, n_tokens = sums[8:]
-            record = {
-                **out.metrics,  # the algorithm's: loss, correction, KL, critic
-                "learner/version": version + 1,
-                "learner/tokens": n_tokens,
-                "learner/lr": engine.get_lr()[0],
-                "learner/behaviour_logprob_mismatch": mm_sum / mm_count if mm_count else None,
-                "learner/reward_mean": reward_sum / n_samples,
-                "learner/samples": n_samples,
-                "learner/wall_seconds": time.time() - t_start,
-                "buffer/staleness_mean": stale_sum / n_groups,
-                "buffer/staleness_max": max_stale,
-                "buffer/dropped_stale": dropped_all,
-                "buffer/dead_letters": dead_all,
-                "buffer/filtered_groups": filtered_all,
-                "buffer/replays": replays_all,
-                "time/collect_s": t_collect,
-                "time/train_s": t_train,
-                "time/publish_s": t_publish,
-                "time/commit_s": t_commit,
-                "time/step_end_at": step_end_at,
-            }
-            metrics.log(record)
+            record = step_record(version + 1, out, total, max_stale, engine.get_lr()[0])
+            record.update(timings.record(), {"learner/wall_seconds": time.time() - t_start})
+            metrics.log({**record, "time/step_end_at": step_end_at})
         control.heartbeat("learner", str(rank), version=version + 1, pid=os.getpid())
     # the end: make sure a generator serves the final version (it runs the final evaluation)
     if rank == 0:
         control.set_meta("final_version", cfg.run.steps)
     if cfg.learner.checkpoint:
         save_checkpoint(engine, ckpt_dir, cfg.run.steps, consumer.checkpoint_state(), critic=models.critic)
-        export_hf(engine, cfg, cfg.run_dir, state)
+        export_hf(engine, cfg.model.path, cfg.run_dir / "export", state)
     consumer.commit(final=True)
     if publisher is not None:
         wait_for_generators(control, cfg.run.steps, timeout_s=120)
@@ -297,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     url, prefix = os.environ["ASYNCRL_REDIS_URL"], os.environ["ASYNCRL_PREFIX"]
     control = RunControl(connect(url), prefix)
     buffer = buffers.setup(cfg.buffer, url, prefix)
-    init_distributed(cfg)
+    init_distributed(cfg.learner.backend)
     try:
         run(cfg, control, buffer, rank, world)
     except StopRequested as exc:

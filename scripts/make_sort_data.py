@@ -1,7 +1,7 @@
 """Write data/sort/train.jsonl and data/sort/eval.jsonl deterministically (held-out prompts disjoint).
 
 Usage: python scripts/make_sort_data.py [--out data/sort]. The records come from
-``asyncrl.tasks.sort.make_splits(N_TRAIN, N_EVAL, DATA_SEED)``, the same call the demo model's SFT
+``asyncrl.demo.sort.make_splits(N_TRAIN, N_EVAL, DATA_SEED)``, the same call the demo model's SFT
 warm-up makes, so the files and the warm-up always agree.
 """
 
@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from asyncrl.tasks.sort import DATA_SEED, N_EVAL, N_TRAIN, make_splits
+from asyncrl.demo.sort import DATA_SEED, N_EVAL, N_TRAIN, make_splits
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:

@@ -26,7 +26,7 @@ from redis.retry import Retry
 from asyncrl.buffers import STAT_KEYS, Buffer, BufferUnavailableError, MemoryBuffer, run_prefix, setup
 from asyncrl.buffers.base import DEAD_FRAME_MAX_BYTES, live_groups
 from asyncrl.buffers.redis_buffer import RedisBuffer
-from asyncrl.config import BufferConfig
+from asyncrl.config import MemoryBufferConfig, RedisBufferConfig
 from asyncrl.errors import UserError
 from asyncrl.redis_server import check_redis_url, redact_url, start_redis_server
 from asyncrl.staleness import admission_limit, may_start_group
@@ -557,24 +557,24 @@ def test_server_that_never_answers_times_out_and_is_killed(tmp_path, monkeypatch
 
 
 def test_setup_memory_shares_one_buffer_per_prefix() -> None:
-    cfg = BufferConfig(type="memory")
+    cfg = MemoryBufferConfig()
     a, b, c = setup(cfg, None, "p1:"), setup(cfg, None, "p1:"), setup(cfg, None, "p2:")
     assert isinstance(a, MemoryBuffer) and a is b and a is not c
 
 
 def test_setup_redis_needs_a_url() -> None:
     with pytest.raises(UserError, match="needs a Redis URL"):
-        setup(BufferConfig(type="redis"), None, "p:")
+        setup(RedisBufferConfig(), None, "p:")
 
 
 @pytest.mark.redis
 def test_setup_redis_connects_with_url_or_config(redis_server) -> None:
     prefix = run_prefix("setup-test")
     assert prefix == "asyncrl:{setup-test}:"
-    with setup(BufferConfig(type="redis"), redis_server.url, prefix) as a:
+    with setup(RedisBufferConfig(), redis_server.url, prefix) as a:
         assert isinstance(a, RedisBuffer) and a.prefix == prefix
         a.set_version(2)
-    with setup(BufferConfig(type="redis", redis_url=redis_server.url), None, prefix) as b:
+    with setup(RedisBufferConfig(url=redis_server.url), None, prefix) as b:
         assert b.get_version() == 2
 
 

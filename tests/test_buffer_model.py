@@ -47,14 +47,14 @@ from hypothesis.stateful import (
 
 from asyncrl.buffers import Buffer, MemoryBuffer, run_prefix
 from asyncrl.buffers.base import COUNTER_KEYS, OUTCOMES, DeadLetter, Entry, live_groups, lost_groups
-from asyncrl.buffers.consumer import Batch, BatchConsumer, ConsumerPolicy, StopRequested
+from asyncrl.buffers.consumer import Batch, BatchConsumer, ConsumerRules, StopRequested
 from asyncrl.buffers.redis_buffer import RedisBuffer
 from asyncrl.protocol import Sample, TrajectoryGroup, encode_group
 from asyncrl.redis_server import RedisServer, start_redis_server
 from asyncrl.staleness import admission_limit
 
 PRODUCERS = 3
-# ConsumerPolicy.max_frame_bytes: small, so that an oversize frame is cheap to make.
+# ConsumerRules.max_frame_bytes: small, so that an oversize frame is cheap to make.
 MAX_FRAME_BYTES = 4096
 # Two samples of 200 tokens, 12 bytes each (token id, log-prob, version), exceed MAX_FRAME_BYTES.
 OVERSIZE_TOKENS = 200
@@ -220,7 +220,7 @@ class BufferMachine(RuleBasedStateMachine):
             self.buf: Buffer = MemoryBuffer()
         else:  # a short back-off: the server is back before the first retry
             self.buf = RedisBuffer(server.url, run_prefix(uuid.uuid4().hex), backoff_base_s=0.005)
-        self.policy: ConsumerPolicy | None = None
+        self.rules: ConsumerRules | None = None
         self.counts = dict.fromkeys(COUNTER_KEYS, 0)  # what the buffer's counters must say
         self.replay_tokens: set[str | None] = set()  # record_replays tokens seen (each counts once)
         self.last_replays = 0  # what the last take passed to record_replays
@@ -251,7 +251,7 @@ class BufferMachine(RuleBasedStateMachine):
     def configure(self, k: int, replay_times: int, filter_zero_variance: bool, ranks: int, need: int) -> None:
         self.k, self.R, self.ranks, self.need = k, replay_times, ranks, need
         self.B = ranks * need  # groups per optimizer step, all ranks together
-        self.policy = ConsumerPolicy(
+        self.rules = ConsumerRules(
             max_policy_lag=k,
             replay_times=replay_times,
             filter_zero_variance=filter_zero_variance,
@@ -262,7 +262,7 @@ class BufferMachine(RuleBasedStateMachine):
 
     def _new_consumers(self) -> None:
         self.consumers = [
-            BatchConsumer(Observed(self.buf, self, r), f"rank{r}", self.policy) for r in range(self.ranks)
+            BatchConsumer(Observed(self.buf, self, r), f"rank{r}", self.rules) for r in range(self.ranks)
         ]
 
     # ----- model helpers --------------------------------------------------------------------
@@ -271,7 +271,7 @@ class BufferMachine(RuleBasedStateMachine):
         """The outcome a valid group must get at the current learner version, or None: usable."""
         if not 0 <= self.version - rec.version <= self.k:
             return "stale"
-        if self.policy.filter_zero_variance and rec.zero_var:
+        if self.rules.filter_zero_variance and rec.zero_var:
             return "filtered"
         return None
 
@@ -550,7 +550,7 @@ class BufferMachine(RuleBasedStateMachine):
 
     @invariant()
     def guarantees_hold(self) -> None:
-        if self.policy is None:
+        if self.rules is None:
             return
         s = self.buf.stats()
         assert s == self._stats()
@@ -573,7 +573,7 @@ class BufferMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         try:
             # sys.exc_info(): teardown runs in hypothesis' `finally`; after a failure, only clean up
-            if self.policy is not None and sys.exc_info()[0] is None:
+            if self.rules is not None and sys.exc_info()[0] is None:
                 self._drain()
         finally:
             self.buf.close()

@@ -19,7 +19,7 @@ DEMO = ROOT / "configs" / "demo-cpu.yaml"
 
 def test_demo_config_is_valid():
     cfg = load_config(DEMO)
-    assert cfg.run.learners == 2 and cfg.generator.engine == "vllm"
+    assert cfg.run.learners == 2 and cfg.generator.engine.type == "vllm"
     assert cfg.learner.groups_per_step % cfg.run.learners == 0
 
 
@@ -35,7 +35,7 @@ def test_overrides_are_parsed_as_yaml_and_applied():
     [
         ({"learner.lr": -1}, "learner.lr"),
         ({"run.max_policy_lag": -1}, "run.max_policy_lag"),
-        ({"generator.engine": "tgi"}, "generator.engine"),
+        ({"generator.engine.type": "tgi"}, "generator.engine"),
         ({"learner.typo": 1}, "learner.typo"),
         ({"learner.zero_stage": 4}, "learner.zero_stage"),
     ],
@@ -132,3 +132,68 @@ def test_help_is_fast_and_imports_nothing_heavy():
     code = "import sys, asyncrl.cli; print(any(m in sys.modules for m in ('torch', 'vllm', 'deepspeed')))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.stdout.strip() == "False"
+
+
+def test_readme_config_reference_is_generated_from_the_models():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import config_reference
+
+    readme = (ROOT / "README.md").read_text()
+    assert config_reference.readme_table(readme) == config_reference.render(), (
+        "README's config reference is stale: run `python scripts/config_reference.py --write`"
+    )
+    for field in ("weights.dir", "generator.engine.kv_cache_gb", "buffer.url", "algorithm.icepop_low"):
+        assert f"| `{field}` |" in readme
+
+
+@pytest.mark.parametrize(
+    ("overrides", "new"),
+    [
+        ({"weights.transport": "shm"}, "weights.type"),
+        ({"weights.shm_dir": "/tmp"}, "weights.dir"),
+        ({"generator.kv_cache_gb": 2}, "generator.engine.kv_cache_gb"),
+        ({"generator.on_weight_update": "continue"}, "generator.engine.on_weight_update"),
+        ({"buffer.redis_url": "redis://x"}, "buffer.url"),
+        ({"generator.engine": "hf"}, "generator.engine.type=hf"),
+    ],
+)
+def test_moved_fields_name_their_new_place(overrides, new):
+    with pytest.raises(UserError, match=new.replace(".", r"\.")):
+        load_config(DEMO, overrides)
+
+
+def test_typed_sections_take_only_their_own_fields():
+    shm = load_config(None, {"weights.type": "shm", "weights.dir": "/tmp"}).weights
+    assert (shm.type, shm.dir, shm.verify) == ("shm", "/tmp", "structure")
+    assert load_config(None).weights.type == "zmq"  # the type may be left out: the default backend
+    with pytest.raises(UserError, match=r"weights\.dir: unknown field"):
+        load_config(None, {"weights.dir": "/tmp"})  # zmq has no directory
+    with pytest.raises(UserError, match=r"generator\.engine\.kv_cache_gb: unknown field"):
+        load_config(None, {"generator.engine.type": "hf", "generator.engine.kv_cache_gb": 2})
+    assert load_config(None, {"generator.engine.type": "hf"}).generator.engine.on_weight_update == "wait"
+    with pytest.raises(UserError, match=r"buffer\.url: unknown field"):
+        load_config(None, {"buffer.type": "memory", "buffer.url": "redis://x"})
+
+
+def test_nccl_weights_need_cuda():
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(UserError, match="weights.type=nccl needs CUDA"):
+        load_config(None, {"weights.type": "nccl"})
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.name=ppo", "algorithm.normalize_std=true"],
+        ["algorithm.correction=icepop", "algorithm.icepop_low=9"],
+    ],
+)
+def test_cli_dry_run_rejects_what_a_learner_would(overrides):
+    args = [a for o in overrides for a in ("--set", o)]
+    proc = asyncrl("launch", "--config", str(DEMO), *args, "--dry-run")
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "algorithm")

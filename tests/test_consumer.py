@@ -9,7 +9,7 @@ import pytest
 
 from asyncrl.buffers import MemoryBuffer
 from asyncrl.buffers.base import lost_groups
-from asyncrl.buffers.consumer import BatchConsumer, ConsumerPolicy, StopRequested
+from asyncrl.buffers.consumer import BatchConsumer, ConsumerRules, StopRequested
 from asyncrl.protocol import Sample, TrajectoryGroup, encode_group
 
 
@@ -30,7 +30,7 @@ def push(buf, *groups: TrajectoryGroup) -> None:
 
 
 def make(buf, k=1, replay_times=1, filter_zero_variance=False, max_frame_bytes=1 << 20) -> BatchConsumer:
-    policy = ConsumerPolicy(k, replay_times, filter_zero_variance, max_frame_bytes)
+    policy = ConsumerRules(k, replay_times, filter_zero_variance, max_frame_bytes)
     return BatchConsumer(buf, "rank0", policy)
 
 

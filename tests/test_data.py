@@ -30,8 +30,8 @@ def test_load_jsonl_names_the_bad_line(tmp_path):
 
 
 def test_import_by_path_errors():
-    assert import_by_path("asyncrl.tasks.sort:reward")("sort:ba=", "ab", {"answer": "ab"}) == 1.0
+    assert import_by_path("asyncrl.demo.sort:reward")("sort:ba=", "ab", {"answer": "ab"}) == 1.0
     with pytest.raises(UserError, match="module:function"):
-        import_by_path("asyncrl.tasks.sort.reward")
+        import_by_path("asyncrl.demo.sort.reward")
     with pytest.raises(UserError, match="cannot import"):
-        import_by_path("asyncrl.tasks.sort:nope")
+        import_by_path("asyncrl.demo.sort:nope")

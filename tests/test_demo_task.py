@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asyncrl.tasks import sort
+from asyncrl.demo import sort
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "sort"
@@ -85,7 +85,7 @@ def test_data_files_are_well_formed_disjoint_and_reproducible():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from asyncrl.demo_model import build_tokenizer
+    from asyncrl.demo.model import build_tokenizer
 
     return build_tokenizer()
 
@@ -123,7 +123,7 @@ def test_tokenizer_save_and_load_with_auto_tokenizer(tokenizer, tmp_path):
 def test_greedy_eval_on_an_untrained_model(tokenizer):
     import torch
 
-    from asyncrl.demo_model import build_model, greedy_eval
+    from asyncrl.demo.model import build_model, greedy_eval
 
     torch.set_num_threads(1)
     scores = greedy_eval(build_model(tokenizer, seed=0), tokenizer, _load("eval.jsonl")[:16], max_new_tokens=4)
@@ -139,7 +139,7 @@ def test_prepare_demo_model_builds_a_partial_policy_once(tmp_path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.demo_model import RECIPE_FILE, greedy_eval, prepare_demo_model
+    from asyncrl.demo.model import RECIPE_FILE, greedy_eval, prepare_demo_model
 
     torch.set_num_threads(1)
     path = tmp_path / "demo"

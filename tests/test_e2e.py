@@ -16,9 +16,11 @@ import pytest
 import torch
 from demo_launch import ROOT, demo_launch_cmd
 
-from asyncrl.metrics import read_metrics
-
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def launch(tmp_path: Path, name: str, *args: str, timeout: float = 900) -> tuple[dict, list[dict], Path]:

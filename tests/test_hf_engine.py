@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.demo_model import build_model, build_tokenizer
+from asyncrl.demo.model import build_model, build_tokenizer
 from asyncrl.generators.engine import Sampling
 from asyncrl.generators.hf_engine import HfEngine
 from asyncrl.learners.loss import pad_batch, sequence_logprobs
@@ -17,7 +17,7 @@ def test_hf_engine_logprobs_match_the_learner(tmp_path):
     model = build_model(tok, seed=0)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    cfg = load_config(None, {"model.path": str(tmp_path), "model.recipe": None, "generator.engine": "hf"})
+    cfg = load_config(None, {"model.path": str(tmp_path), "model.recipe": None, "generator.engine.type": "hf"})
     engine = HfEngine(cfg, seed=0)
     torch.manual_seed(1)
     state = {k: v + 0.02 * torch.randn_like(v) for k, v in model.state_dict().items()}

@@ -30,7 +30,7 @@ def preset_cmd(out_dir: Path, preset: str, steps: int = STEPS, *extra: str) -> l
         f"algorithm.name={preset}",
         "algorithm.kl_coef=null",
         "algorithm.aggregation=null",
-        "generator.engine=hf",
+        "generator.engine.type=hf",
         "run.eval_every=0",
     ]
     args = ["--generators", "1", "--learners", "1", "--steps", str(steps), *extra]

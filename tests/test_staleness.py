@@ -43,17 +43,18 @@ def test_trajectory_version_is_the_oldest_token_version(token_versions) -> None:
 @given(versions, versions, lags)
 def test_fresh_iff_staleness_within_lag(learner_v, traj_v, k) -> None:
     assert staleness(learner_v, traj_v) == learner_v - traj_v
-    assert is_fresh(learner_v, traj_v, k) == (learner_v - traj_v <= k)
+    assert is_fresh(learner_v, traj_v, k) == (0 <= learner_v - traj_v <= k)
     assert is_fresh(traj_v, traj_v, k)  # a trajectory of the current version is always usable
 
 
 @given(versions, versions, lags)
 def test_freshness_is_monotone(learner_v, traj_v, k) -> None:
+    assert not is_fresh(traj_v, traj_v + 1, k)  # newer than the learner: from a discarded policy
     if is_fresh(learner_v, traj_v, k):
-        assert is_fresh(learner_v, traj_v + 1, k)  # a newer trajectory is fresh too
-        assert is_fresh(learner_v, traj_v, k + 1)  # a looser bound accepts it too
-        if learner_v > 0:
+        if traj_v < learner_v:
+            assert is_fresh(learner_v, traj_v + 1, k)  # a newer trajectory is fresh too
             assert is_fresh(learner_v - 1, traj_v, k)  # an earlier learner step too
+        assert is_fresh(learner_v, traj_v, k + 1)  # a looser bound accepts it too
 
 
 @given(versions, lags, group_sizes)

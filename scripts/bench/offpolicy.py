@@ -45,7 +45,7 @@ def run_once(out_dir: Path, name: str, sets: list[str], args) -> tuple[dict, lis
         "algorithm.aggregation=token-mean",
         f"buffer.replay_times={args.replay}",
         f"learner.minibatches={args.minibatches}",
-        f"generator.engine={args.engine}",
+        f"generator.engine.type={args.engine}",
         "run.eval_every=0",
         f"run.out_dir={out_dir}",
     ]

@@ -1,5 +1,5 @@
-"""What the launcher knows about a run: metrics in, ``metrics.jsonl`` and ``summary.json`` out,
-and the one live progress line."""
+"""Run statistics: what the launcher knows about a run. Metric records in, ``metrics.jsonl`` and
+``summary.json`` out, and the one live progress line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from asyncrl.config import Config
+from asyncrl.config import RunConfig
 from asyncrl.metrics import JsonlSink
 
 
@@ -56,10 +56,10 @@ class WeightSync:
 class RunStats:
     """Folds the metric records of every process into the figures of the progress line and summary."""
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    def __init__(self, run: RunConfig, run_dir: Path):
+        self.run = run
         self.started = time.time()
-        self.sink = JsonlSink(cfg.run_dir / "metrics.jsonl")
+        self.sink = JsonlSink(run_dir / "metrics.jsonl")
         self.cursor = "0-0"
         self.version = 0
         self.reward = None
@@ -125,7 +125,7 @@ class RunStats:
 
     @property
     def final_eval_reward(self) -> float | None:
-        return self.evals.get(self.cfg.run.steps)
+        return self.evals.get(self.run.steps)
 
     def summary(self, exit_reason: str) -> dict:
         return {
@@ -133,7 +133,7 @@ class RunStats:
             "final_eval_reward": self.final_eval_reward,
             "final_version": self.version,
             "max_staleness_seen": self.max_staleness_seen,
-            "max_policy_lag": self.cfg.run.max_policy_lag,
+            "max_policy_lag": self.run.max_policy_lag,
             "samples_per_s": self.samples_per_s,
             "samples_trained": self.samples,
             "dropped_stale": self.dropped_stale,
@@ -167,9 +167,9 @@ def _quantiles(values: list[float]) -> dict | None:
 class Progress:
     """One live line: version, reward, staleness, samples/s. Silent without a console."""
 
-    def __init__(self, console, cfg: Config):
+    def __init__(self, console, steps: int):
         self.console = console
-        self.cfg = cfg
+        self.steps = steps
         self._progress = None
 
     def __enter__(self) -> Progress:
@@ -186,7 +186,7 @@ class Progress:
                 console=self.console,
             )
             self._progress.start()
-            self._task = self._progress.add_task("version", total=self.cfg.run.steps, info="starting")
+            self._task = self._progress.add_task("version", total=self.steps, info="starting")
         return self
 
     def update(self, stats: RunStats) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.tasks import sort
+from asyncrl.demo import sort
 
 RECIPE = "demo-sort"
 RECIPE_FILE = "asyncrl_recipe.json"

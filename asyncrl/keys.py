@@ -1,0 +1,71 @@
+"""Every Redis key of a run, in one table: the buffer (``buffers/redis_buffer.py``), run control
+(``asyncrl/control.py``) and ``asyncrl status`` all name keys through :class:`RunKeys`.
+
+A run's keys share the prefix ``P = asyncrl:{<run-id>}:`` (run id = run name + a random suffix, in
+``runs/<name>/run.json``); the ``{...}`` hash tag puts them in one Redis Cluster slot, which multi-key
+Lua scripts need.
+
+==================  ====================  ==========================================================
+key                 type                  contents
+==================  ====================  ==========================================================
+``P traj``          stream                one entry per group: ``gid``, ``producer``, ``frame`` (msgpack);
+                                          consumer group ``learners``, one consumer ``rank<r>`` per rank
+``P dead``          stream                ``reason``, ``producer``, ``size``, ``frame`` (first 1 MiB);
+                                          about ``DEAD_MAX_ENTRIES`` kept
+``P counters``      hash                  the counters of ``buffers.base.COUNTER_KEYS``
+``P seen``          zset                  the newest ``SEEN_WINDOW`` group ids pushed, by push order (dedup)
+``P once:<token>``  string, expires       the answer of an admission or release, for its retries
+``P version``       string                the learner's policy version (absent: 0)
+``P meta``          hash                  ``weights_address``, ``final_version``, ...: written once
+``P hb:<role>:<id>``hash, expires         heartbeat of one process: version served, pid, time
+``P seen:<role>``   hash                  every process ever seen: id -> its last heartbeat (JSON)
+``P staleness``     hash                  staleness of trained groups: steps behind -> groups
+``P claim:<name>``  string                once-only claims (SET NX), e.g. who evaluates version v
+``P inflight``      hash                  groups each generator admitted but has not pushed
+``P metrics``       stream                JSON metric records from every process; the launcher reads
+                                          and trims it
+``P stop``          string                set by the launcher; every child loop exits when it sees it
+==================  ====================  ==========================================================
+"""
+
+from __future__ import annotations
+
+# Keys whose presence marks a run on a server (``asyncrl status`` finds runs by them).
+RUN_MARKERS = ("version", "counters", "traj")
+
+
+def run_prefix(run_id: str) -> str:
+    """``asyncrl:{<run_id>}:``: the ``{...}`` hash tag keeps a run's keys in one Redis Cluster slot."""
+    return f"asyncrl:{{{run_id}}}:"
+
+
+class RunKeys:
+    """The full key names of the run under ``prefix`` (see the table above)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix if prefix.endswith(":") else prefix + ":"
+        self.traj = self.prefix + "traj"
+        self.dead = self.prefix + "dead"
+        self.counters = self.prefix + "counters"
+        self.seen = self.prefix + "seen"
+        self.version = self.prefix + "version"
+        self.meta = self.prefix + "meta"
+        self.staleness = self.prefix + "staleness"
+        self.inflight = self.prefix + "inflight"
+        self.metrics = self.prefix + "metrics"
+        self.stop = self.prefix + "stop"
+
+    def once(self, token: str) -> str:
+        return f"{self.prefix}once:{token}"
+
+    def heartbeat(self, role: str, ident: str) -> str:
+        return f"{self.prefix}hb:{role}:{ident}"
+
+    def seen_processes(self, role: str) -> str:
+        return f"{self.prefix}seen:{role}"
+
+    def claim(self, name: str) -> str:
+        return f"{self.prefix}claim:{name}"
+
+    def markers(self) -> list[str]:
+        return [self.prefix + name for name in RUN_MARKERS]

@@ -1,1 +1,0 @@
-"""Verifiable tasks: each module makes records ``{"prompt", "answer"}`` and scores completions."""

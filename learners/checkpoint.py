@@ -1,0 +1,38 @@
+"""The commit marker of learner checkpoints: which saved version a restart resumes from (no torch).
+
+Checkpoints live in ``<run>/checkpoint/version-<v>/``. One is *committed* when
+``<run>/checkpoint/committed.json`` (``{"version": v, "tag": "version-<v>"}``) names it. Learner rank 0
+writes the marker atomically, only after every rank saved its part (``engine.save_checkpoint``); a
+restarted learner resumes from it and nothing else, and the launcher reads it to say where.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+COMMITTED = "committed.json"
+
+
+def read_committed(ckpt_dir: Path) -> dict | None:
+    """``{"version": int, "tag": str}`` of the committed checkpoint under ``ckpt_dir``, or None."""
+    marker = Path(ckpt_dir) / COMMITTED
+    if not marker.is_file():
+        return None
+    committed = json.loads(marker.read_text())
+    return {"version": int(committed["version"]), "tag": str(committed["tag"])}
+
+
+def write_committed(ckpt_dir: Path, version: int, tag: str) -> None:
+    write_atomic(Path(ckpt_dir) / COMMITTED, json.dumps({"version": version, "tag": tag}))
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` so that a reader sees the old file or the new one, never a part (fsync + rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
