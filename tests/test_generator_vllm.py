@@ -16,13 +16,14 @@ import torch
 
 pytest.importorskip("vllm")
 
+from weights_common import InjectingBus  # noqa: E402
+
 from asyncrl.buffers import MemoryBuffer  # noqa: E402
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.control import RunControl, connect  # noqa: E402
-from asyncrl.demo_model import build_model, build_tokenizer  # noqa: E402
+from asyncrl.demo.model import build_model, build_tokenizer  # noqa: E402
 from asyncrl.protocol import decode_group  # noqa: E402
 from asyncrl.weights import setup_publisher, setup_subscriber, state_dict_checksum  # noqa: E402
-from asyncrl.weights.memory import MemoryWeightBus  # noqa: E402
 from asyncrl.weights.wire import encode  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
@@ -98,7 +99,7 @@ def test_generator_serves_the_learners_version(cfg, engine, model_dir, redis_ser
         assert beat["checksum"] == state_dict_checksum(state)
 
         # a corrupted version 4 is rejected: version 3 stays, and the rejection is a metric
-        bus = MemoryWeightBus()
+        bus = InjectingBus()
         bad = [bytes(f) for f in encode(4, state, 1 << 20)]
         bad[2] = bytes([bad[2][0] ^ 1]) + bad[2][1:]
         corrupt_sub = bus.subscriber("generator-0", have=3)

@@ -13,9 +13,9 @@ import torch
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from weights_common import assert_bit_equal
+from weights_common import InjectingBus, assert_bit_equal
 
-from asyncrl.config import WeightsConfig
+from asyncrl.config import ZmqWeightsConfig
 from asyncrl.weights import (
     MemoryWeightBus,
     WeightsRejected,
@@ -286,7 +286,7 @@ def test_corrupted_versions_are_rejected_and_old_version_kept(transport):
     bad = list(_corruptions([bytes(f) for f in encode(2, small_state(2, n=4, size=300), 2500)]).values())
     tmp = tempfile.mkdtemp(prefix="wb", dir="/tmp")
     if transport == "memory":
-        fake = MemoryWeightBus()
+        fake = InjectingBus()
         sub = fake.subscriber("g0")
         send = fake.inject
     else:
@@ -366,7 +366,7 @@ def test_bye_forgets_subscriber():
 
 @pytest.mark.parametrize("address", [None, "memory://factory-test"])
 def test_factories(address):
-    cfg = WeightsConfig(transport="zmq", bucket_mb=1)
+    cfg = ZmqWeightsConfig(bucket_mb=1)
     pub = setup_publisher(cfg, address)
     sub = setup_subscriber(cfg, pub.address, "g0", have=0)
     try:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pydantic
@@ -20,7 +21,7 @@ import pytest
 import torch
 from weights_common import assert_bit_equal, random_bits
 
-from asyncrl.config import WeightsConfig
+from asyncrl.config import NcclWeightsConfig
 from asyncrl.weights import (
     CollectiveWeightPublisher,
     CollectiveWeightSubscriber,
@@ -28,7 +29,7 @@ from asyncrl.weights import (
     setup_subscriber,
     state_dict_checksum,
 )
-from asyncrl.weights.collective_bus import bucket_checksums
+from asyncrl.weights.collective_buckets import DeviceSnapshot, bucket_checksums
 
 ROOT = Path(__file__).resolve().parents[1]
 # Short, so that a dead or stopped member costs the tests about a second or two, not 30.
@@ -149,11 +150,13 @@ def wait_for(cond, timeout_s: float = 10.0, what: str = "condition") -> None:
 class Bus:
     """A publisher (in this process) and in-process subscribers, all closed at the end."""
 
-    def __init__(self, backend: str = "gloo", bucket_bytes: int = 4096) -> None:
+    def __init__(
+        self, backend: str = "gloo", bucket_bytes: int = 4096, publisher: type = CollectiveWeightPublisher
+    ) -> None:
         self.backend = backend
         self.device = "cuda:0" if backend == "nccl" else "cpu"
         self._gpu = 0  # the last GPU handed to a subscriber
-        self.pub = CollectiveWeightPublisher(
+        self.pub = publisher(
             "tcp://127.0.0.1:*", backend=backend, device=self.device, bucket_bytes=bucket_bytes, timeout_s=TIMEOUT_S
         )
         self.closing: list = [self.pub]
@@ -217,35 +220,48 @@ def test_nccl_config_needs_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(pydantic.ValidationError, match="needs CUDA GPUs"):
-        WeightsConfig(transport="nccl")
+        NcclWeightsConfig()
 
 
 # --- verification ------------------------------------------------------------------------------------
-def test_corrupted_bucket_and_shape_mismatch_are_rejected_and_old_version_kept(bus, caplog):
-    sub = bus.sub("g0")
-    bus.pub.publish(1, small_state(1))
-    wait_version(sub, 1)
+class TamperingPublisher(CollectiveWeightPublisher):
+    """The publisher with a seam for these tests: ``tamper(snapshot)`` changes each version after its
+    bucket checksums were taken, before it is sent."""
 
-    def flip_a_byte(manifest, buckets):
-        bad = [t.clone() for t in buckets]
-        bad[-1][5] ^= 1
-        return bad
+    tamper: Callable[[DeviceSnapshot], None] | None = None
 
-    def wrong_shape(manifest, buckets):
-        manifest["tensors"][0]["shape"] = [7]
-        return buckets
+    def _take(self, snap: DeviceSnapshot) -> None:
+        super()._take(snap)
+        if self.tamper is not None:
+            self.tamper(snap)
 
-    with caplog.at_level(logging.WARNING, logger="asyncrl.weights"):
-        for version, tamper, reason in ((2, flip_a_byte, "checksum mismatch"), (3, wrong_shape, "does not match")):
-            bus.pub._tamper = tamper
-            bus.pub.publish(version, small_state(version))
-            wait_for(lambda v=version: sub.rejected == v - 1, what=f"rejection of version {version}")
-            assert sub.poll(timeout_ms=100) is None and sub.latest_version == 1
-            assert reason in caplog.text and "keeping version 1" in caplog.text
-    bus.pub._tamper = None
-    bus.pub.publish(4, small_state(4))
-    assert_bit_equal(wait_version(sub, 4).tensors, small_state(4), "cpu")
-    assert sub.rejected == 2
+
+def test_corrupted_bucket_and_shape_mismatch_are_rejected_and_old_version_kept(caplog):
+    bus = Bus(publisher=TamperingPublisher)
+    try:
+        sub = bus.sub("g0")
+        bus.pub.publish(1, small_state(1))
+        wait_version(sub, 1)
+
+        def flip_a_byte(snap: DeviceSnapshot) -> None:
+            snap.buckets[-1][5] ^= 1
+
+        def wrong_shape(snap: DeviceSnapshot) -> None:
+            snap.entries[0]["shape"] = [7]
+
+        with caplog.at_level(logging.WARNING, logger="asyncrl.weights"):
+            for version, tamper, reason in ((2, flip_a_byte, "checksum mismatch"), (3, wrong_shape, "does not match")):
+                bus.pub.tamper = tamper
+                bus.pub.publish(version, small_state(version))
+                wait_for(lambda v=version: sub.rejected == v - 1, what=f"rejection of version {version}")
+                assert sub.poll(timeout_ms=100) is None and sub.latest_version == 1
+                assert reason in caplog.text and "keeping version 1" in caplog.text
+        bus.pub.tamper = None
+        bus.pub.publish(4, small_state(4))
+        assert_bit_equal(wait_version(sub, 4).tensors, small_state(4), "cpu")
+        assert sub.rejected == 2
+    finally:
+        bus.close()
 
 
 # --- membership (in process) -------------------------------------------------------------------------
@@ -356,7 +372,7 @@ def test_bucketed_round_trip_is_bit_exact_and_a_late_process_gets_the_newest(bac
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
 def test_nccl_factories():
-    cfg = WeightsConfig(transport="nccl", bucket_mb=1, collective_timeout_s=TIMEOUT_S)
+    cfg = NcclWeightsConfig(bucket_mb=1, timeout_s=TIMEOUT_S)
     torch.cuda.set_device(0)
     pub = setup_publisher(cfg)
     torch.cuda.set_device(1)

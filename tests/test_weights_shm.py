@@ -3,7 +3,6 @@ separate processes where it matters (late joiners, SIGKILLed subscribers and pub
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import select
@@ -22,7 +21,7 @@ import pytest
 import torch
 from weights_common import random_bits, raw
 
-from asyncrl.config import WeightsConfig
+from asyncrl.config import ShmWeightsConfig, ZmqWeightsConfig
 from asyncrl.weights import (
     ShmWeightPublisher,
     ShmWeightSubscriber,
@@ -31,7 +30,8 @@ from asyncrl.weights import (
     setup_subscriber,
     state_dict_checksum,
 )
-from asyncrl.weights.shm_bus import _HEADER, MAGIC
+from asyncrl.weights.shm_layout import HEADER, MAGIC
+from asyncrl.weights.wire import tensor_digest
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a Linux /dev/shm")
 
@@ -201,7 +201,7 @@ def _forge(pub: ShmWeightPublisher, version: int, case: str) -> None:
     """Write a hand-made (bad) ``v<version>.wts`` from the live file, atomically like the publisher."""
     (live,) = [p for p in Path(pub.dir).iterdir() if p.name.endswith(".wts")]
     data = bytearray(live.read_bytes())
-    _, moff, mlen, _, _, _ = _HEADER.unpack_from(data)
+    _, moff, mlen, _, _, _ = HEADER.unpack_from(data)
     manifest = msgpack.unpackb(bytes(data[moff : moff + mlen]))
     manifest["version"] = version
     first = manifest["tensors"][0]
@@ -213,12 +213,12 @@ def _forge(pub: ShmWeightPublisher, version: int, case: str) -> None:
         manifest["buckets"][0]["offset"] = moff
     packed = msgpack.packb(manifest)
     body = bytes(data[:moff]) + packed
-    digest = hashlib.blake2b(packed, digest_size=16).digest()
-    header = _HEADER.pack(MAGIC, moff, len(packed), digest, version, len(body))
+    digest = tensor_digest(packed)  # the header's manifest digest, as the publisher writes it
+    header = HEADER.pack(MAGIC, moff, len(packed), digest, version, len(body))
     if case == "bad magic":
         header = b"asyncrl.shmw/0\0\0" + header[16:]
     elif case == "manifest digest mismatch":
-        header = _HEADER.pack(MAGIC, moff, len(packed), bytes(16), version, len(body))
+        header = HEADER.pack(MAGIC, moff, len(packed), bytes(16), version, len(body))
     body = bytearray(header + body[len(header) :])
     if case == "flipped data byte":
         body[4096 + first["offset"] + 1] ^= 0x10
@@ -229,27 +229,30 @@ def _forge(pub: ShmWeightPublisher, version: int, case: str) -> None:
     os.rename(tmp, Path(pub.dir, f"v{version}.wts"))
 
 
-STRUCTURAL = [
-    "truncated file",
-    "shape mismatch",
-    "tensor outside its bucket",
-    "bucket outside the data region",
-    "bad magic",
-    "manifest digest mismatch",
-]
+# Each forged case and the reason its rejection names: the case is caught by its own check.
+STRUCTURAL = {
+    "truncated file": "header says",
+    "shape mismatch": "does not match",
+    "tensor outside its bucket": "outside bucket",
+    "bucket outside the data region": "outside the data region",
+    "bad magic": "unknown file magic",
+    "manifest digest mismatch": "manifest digest mismatch",
+}
 
 
 @pytest.mark.parametrize("verify", ["structure", "full"])
 def test_corrupted_files_are_rejected_and_the_old_version_kept(root, verify, caplog):
-    cases = STRUCTURAL + (["flipped data byte"] if verify == "full" else [])  # see shm_bus: verification
+    cases = {**STRUCTURAL, **({"flipped data byte": "checksum mismatch"} if verify == "full" else {})}  # shm_bus
     state = {"a": torch.randn(64, 64), "b": torch.arange(100)}
     with ShmWeightPublisher(root, bucket_bytes=1 << 14) as pub:
         sub = ShmWeightSubscriber(pub.address, "g0", verify=verify)
         pub.publish(1, state)
         assert wait_version(sub, 1).checksum == state_dict_checksum(state)
-        for i, case in enumerate(cases, start=1):
+        for i, (case, reason) in enumerate(cases.items(), start=1):
             _forge(pub, 1 + i, case)
+            caplog.clear()
             assert sub.poll(timeout_ms=0) is None, case
+            assert reason in caplog.text, (case, caplog.text)
             assert (sub.rejected, sub.latest_version) == (i, 1), case
             assert sub.poll(timeout_ms=0) is None and sub.rejected == i  # never re-counted
             os.unlink(Path(pub.dir, f"v{1 + i}.wts"))
@@ -327,7 +330,7 @@ def test_sigkilled_subscriber_does_not_block_the_publisher(root):
 
 
 def test_close_and_exit_remove_everything_and_cleanup_removes_killed_publishers(root):
-    cfg = WeightsConfig(transport="shm", bucket_mb=1, shm_dir=root)
+    cfg = ShmWeightsConfig(bucket_mb=1, dir=root)
     pub = setup_publisher(cfg)
     sub = setup_subscriber(cfg, pub.address, "g0")
     pub.publish(1, {"w": torch.arange(10.0)})
@@ -351,7 +354,7 @@ def test_close_and_exit_remove_everything_and_cleanup_removes_killed_publishers(
     assert torch.equal(held.tensors["w"], torch.arange(10.0))  # still mapped, memory still valid
     sub.close()
     # The same with the default root, /dev/shm itself.
-    pub = setup_publisher(WeightsConfig(transport="shm"))
+    pub = setup_publisher(ShmWeightsConfig())
     assert pub.address.startswith("shm:///dev/shm/asyncrl-w-")
     pub.close()
     assert not os.path.exists(pub.dir)
@@ -372,7 +375,7 @@ def test_remove_stale_shm_leaves_live_and_foreign_directories(root):
 
 # --- factories -----------------------------------------------------------------------------------
 def test_factories_and_config(root):
-    cfg = WeightsConfig(transport="shm", bucket_mb=1, shm_dir=root, shm_verify="full")
+    cfg = ShmWeightsConfig(bucket_mb=1, dir=root, verify="full")
     pub = setup_publisher(cfg)
     sub = setup_subscriber(cfg, pub.address, "g0", have=0)
     try:
@@ -388,11 +391,11 @@ def test_factories_and_config(root):
     with pytest.raises(ValueError):
         setup_publisher(cfg, "tcp://127.0.0.1:*")
     with pytest.raises(ValueError):
-        WeightsConfig(transport="shm", shm_verify="sometimes")
-    explicit = setup_publisher(WeightsConfig(), f"shm://{root}")  # an shm:// address picks shm
+        ShmWeightsConfig(verify="sometimes")
+    explicit = setup_publisher(ZmqWeightsConfig(), f"shm://{root}")  # an shm:// address picks shm
     assert isinstance(explicit, ShmWeightPublisher)
     explicit.close()
 
 
 def test_header_layout_is_64_bytes():
-    assert _HEADER.size == 64 and len(MAGIC) == 16 and struct.calcsize("<16sQQ16sQQ") == 64
+    assert HEADER.size == 64 and len(MAGIC) == 16 and struct.calcsize("<16sQQ16sQQ") == 64

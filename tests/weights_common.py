@@ -1,9 +1,14 @@
-"""Helpers the weight-bus tests share: raw bytes, every-bit-pattern tensors, bit-exact comparison."""
+"""Helpers the weight-bus tests share: raw bytes, every-bit-pattern tensors, bit-exact comparison,
+and an in-memory bus that delivers hand-made frames."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
+
+from asyncrl.weights.memory import MemoryWeightBus
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -28,3 +33,14 @@ def assert_bit_equal(got: dict, want: dict, device: str = "cpu") -> None:
         assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
         assert got[name].device == torch.device(device), name
         assert raw(got[name]) == raw(t), name
+
+
+class InjectingBus(MemoryWeightBus):
+    """The in-memory bus with a seam for tests: ``inject`` delivers raw frames (hand-made or
+    corrupted versions) to every subscriber, as a misbehaving publisher would."""
+
+    def inject(self, frames: Sequence) -> None:
+        with self._cond:
+            for sub in self._subscribers:
+                sub._inbox.append(list(frames))
+            self._cond.notify_all()

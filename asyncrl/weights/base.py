@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -30,33 +29,6 @@ def check_publish(version: int, last_version: int | None, closing: bool = False)
         raise RuntimeError("publish on a closed weight publisher")
     if last_version is not None and version <= last_version:
         raise ValueError(f"version {version} is not newer than {last_version}")
-
-
-class Wakeup:
-    """A self-pipe: any thread ``set``s it, the one thread that polls ``fd`` (with ZeroMQ's poller,
-    beside its socket) ``clear``s it. Never blocks: a full pipe means a wake-up is already due."""
-
-    def __init__(self) -> None:
-        self.fd, self._write_fd = os.pipe()
-        os.set_blocking(self.fd, False)
-        os.set_blocking(self._write_fd, False)
-
-    def set(self) -> None:
-        try:
-            os.write(self._write_fd, b"\0")
-        except BlockingIOError:
-            pass
-
-    def clear(self) -> None:
-        try:
-            while os.read(self.fd, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def close(self) -> None:
-        os.close(self.fd)
-        os.close(self._write_fd)
 
 
 def log_rejection(subscriber_id: str, version: object, reason: str, keeping: int) -> None:

@@ -2,8 +2,7 @@
 
 Versions go through the real wire format (``encode`` on publish, full verification on ``poll``),
 so generator logic tested against it sees exactly what it would see over sockets: newest version
-wins, late subscribers get the newest version at once, corrupted versions are rejected. ``inject``
-delivers hand-made frames to every subscriber (the test hook for bad messages).
+wins, late subscribers get the newest version at once, corrupted versions are rejected.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from asyncrl.weights.base import VerifyingSubscriber, WeightPublisher, check_publish
-from asyncrl.weights.wire import seal, snapshot
+from asyncrl.weights.wire import encode
 
 if TYPE_CHECKING:
     import torch
@@ -64,13 +63,6 @@ class MemoryWeightBus:
                 sub._inbox.append(self._newest[1])  # late joiner: newest version at once
         return sub
 
-    def inject(self, frames: Sequence) -> None:
-        """Deliver raw frames to every subscriber (tests: hand-made or corrupted versions)."""
-        with self._cond:
-            for sub in self._subscribers:
-                sub._inbox.append(list(frames))
-            self._cond.notify_all()
-
     def _deliver(self, version: int, frames: list) -> None:
         with self._cond:
             self._newest = (version, frames)
@@ -96,7 +88,7 @@ class MemoryWeightPublisher(WeightPublisher):
             raise RuntimeError("publish on a closed weight publisher")
         check_publish(version, self._last_version)
         self._last_version = version
-        self.bus._deliver(version, seal(snapshot(version, state_dict, self.bus.bucket_bytes)))
+        self.bus._deliver(version, encode(version, state_dict, self.bus.bucket_bytes))
         self._versions += 1
 
     def stats(self) -> dict[str, int]:

@@ -111,8 +111,8 @@ def _hash_pool() -> ThreadPoolExecutor:
 
 
 def tensor_digest(data) -> bytes:
-    """xxh3-128 of one tensor's raw bytes: about 10 GB/s on one core, 17x blake2b. It guards
-    against corruption and truncation, not against an adversary (the bus is not authenticated)."""
+    """xxh3-128 of one tensor's raw bytes (a fast non-cryptographic hash). It guards against
+    corruption and truncation, not against an adversary (the bus is not authenticated)."""
     return xxhash.xxh3_128_digest(data)
 
 
@@ -207,8 +207,8 @@ def plan(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[list[d
 
 
 class BucketPool:
-    """Bucket arrays kept for the next versions: a fresh 500 MB allocation costs about ten times
-    its copy in page faults. A set is reused once its ``free()`` says no reader holds it any more."""
+    """Bucket arrays kept for the next versions: a fresh allocation costs several times its copy in
+    page faults. A set is reused once its ``free()`` says no reader holds it any more."""
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
@@ -265,7 +265,7 @@ def seal(snap: Snapshot) -> list:
 
 
 def encode(version: int, state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list:
-    """The frames of one version (``snapshot`` + ``seal``); tests use it to hand-make messages."""
+    """The frames of one version (``snapshot`` + ``seal``), in one go."""
     return seal(snapshot(version, state_dict, bucket_bytes))
 
 
