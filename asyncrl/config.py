@@ -271,7 +271,8 @@ class ZmqWeightsConfig(_WeightsBase):
 
 class ShmWeightsConfig(_WeightsBase):
     type: Literal["shm"] = Field(
-        "shm", description="Same host only: each version is written once to shared memory and mapped by every generator."
+        "shm",
+        description="Same host only: each version is written once to shared memory and mapped by every generator.",
     )
     dir: str = Field(
         "/dev/shm",

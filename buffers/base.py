@@ -25,7 +25,7 @@ memory buffer; threads and processes for Redis):
 * **at most one append per group id**: a second push of the same id is a no-op that returns False.
 * **exactly-one delivery**: an entry returned by :meth:`read` to one consumer is never returned by
   :meth:`read` to another; it stays *pending* until acknowledged (:meth:`pending` gives a restarted
-  consumer its own back; :meth:`reclaim` takes over a dead consumer's).
+  consumer its own back).
 * **every pushed group is accounted for**: ``pushed = trained + dropped_stale + filtered + dead +
   queued + pending``; outcome counters move only together with the acknowledgement that removes
   the entry, so a retried acknowledgement counts once.
@@ -170,14 +170,6 @@ class Buffer(ABC):
     @abstractmethod
     def pending_ids(self, consumer: str) -> list[str]:
         """The ids of :meth:`pending` (cheap: no frames)."""
-
-    @abstractmethod
-    def reclaim(self, consumer: str, min_idle_ms: int, count: int) -> list[Entry]:
-        """Take over up to ``count`` pending entries idle for at least ``min_idle_ms`` (from any
-        consumer, ``consumer`` itself included) and deliver them again to ``consumer``.
-
-        For entries of consumers that are gone for good (a learner world that shrank).
-        """
 
     @abstractmethod
     def ack(self, entry_ids: list[str], outcome: str) -> int:

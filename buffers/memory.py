@@ -27,12 +27,11 @@ from asyncrl.staleness import may_start_group
 
 
 class _Pending:
-    __slots__ = ("consumer", "entry", "delivered_at")
+    __slots__ = ("consumer", "entry")
 
-    def __init__(self, consumer: str, entry: Entry, delivered_at: float):
+    def __init__(self, consumer: str, entry: Entry):
         self.consumer = consumer
         self.entry = entry
-        self.delivered_at = delivered_at
 
 
 class MemoryBuffer(Buffer):
@@ -105,10 +104,9 @@ class MemoryBuffer(Buffer):
                     return []
                 self._cond.wait(left)
             out = []
-            now = time.monotonic()
             while self._queue and len(out) < count:
                 entry = self._queue.popleft()
-                self._pending[entry.entry_id] = _Pending(consumer, entry, now)
+                self._pending[entry.entry_id] = _Pending(consumer, entry)
                 out.append(entry)
             return out
 
@@ -118,19 +116,6 @@ class MemoryBuffer(Buffer):
 
     def pending_ids(self, consumer: str) -> list[str]:
         return [e.entry_id for e in self.pending(consumer)]
-
-    def reclaim(self, consumer: str, min_idle_ms: int, count: int) -> list[Entry]:
-        check_count("count", count)
-        now = time.monotonic()
-        with self._cond:
-            out = []
-            for p in self._pending.values():
-                if len(out) >= count:
-                    break
-                if (now - p.delivered_at) * 1000 >= min_idle_ms:
-                    p.consumer, p.delivered_at = consumer, now
-                    out.append(p.entry)
-            return out
 
     def ack(self, entry_ids: list[str], outcome: str) -> int:
         if outcome not in OUTCOMES:

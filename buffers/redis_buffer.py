@@ -68,8 +68,8 @@ _SOCKET_TIMEOUT_S = 30.0
 _ADMIT = """
 local prev = redis.call('GET', KEYS[2])
 if prev then return tonumber(prev) end
-local takers = redis.call('HMGET', KEYS[1], %(takers)s)
-local returners = redis.call('HMGET', KEYS[1], %(returners)s)
+local takers = redis.call('HMGET', KEYS[1], {takers})
+local returners = redis.call('HMGET', KEYS[1], {returners})
 local live = 0
 for _, v in ipairs(takers) do live = live + (tonumber(v) or 0) end
 for _, v in ipairs(returners) do live = live - (tonumber(v) or 0) end
@@ -80,10 +80,10 @@ if live < tonumber(ARGV[1]) then
 end
 redis.call('SET', KEYS[2], seq, 'EX', ARGV[2])
 return seq
-""" % {
-    "takers": ", ".join(f"'{k}'" for k in SLOT_TAKERS),
-    "returners": ", ".join(f"'{k}'" for k in SLOT_RETURNERS),
-}
+""".format(
+    takers=", ".join(f"'{k}'" for k in SLOT_TAKERS),
+    returners=", ".join(f"'{k}'" for k in SLOT_RETURNERS),
+)
 
 # KEYS: counters, once-token. ARGV: field, n, ttl. Adds n to a counter once per token.
 _INCR_ONCE = """
@@ -301,21 +301,6 @@ class RedisBuffer(Buffer):
             if len(rows) < 1000:
                 return out
             start = "(" + out[-1]
-
-    @_retrying
-    def reclaim(self, consumer: str, min_idle_ms: int, count: int) -> list[Entry]:
-        check_count("count", count)
-        out: list[Entry] = []
-        start = "0-0"
-        while len(out) < count:
-            reply = self._r.xautoclaim(
-                self.keys.traj, GROUP, consumer, min_idle_ms, start_id=start, count=count - len(out)
-            )
-            start, claimed = reply[0], reply[1]
-            out.extend(_entry(eid, fields) for eid, fields in claimed if fields)
-            if start in (b"0-0", "0-0"):
-                break
-        return out
 
     @_retrying
     def ack(self, entry_ids: list[str], outcome: str) -> int:

@@ -59,9 +59,11 @@ def _rows(model: type[BaseModel], prefix: str, skip: tuple[str, ...] = ()) -> li
             choices = ", ".join(f"`{v.model_fields['type'].default}`" for v in variants)
             rows.append(_row(f"{section}type", _default(field, unset), f"{field.description} One of {choices}."))
             common = tuple(set.intersection(*(set(v.model_fields) for v in variants)))
-            rows += _rows(variants[0], section, skip=("type",) + tuple(n for n in variants[0].model_fields if n not in common))
+            own = tuple(n for n in variants[0].model_fields if n not in common)
+            rows += _rows(variants[0], section, skip=("type", *own))
             for v in variants:
-                rows.append(_row(f"{section}type: {v.model_fields['type'].default}", "", v.model_fields["type"].description))
+                tag = v.model_fields["type"]
+                rows.append(_row(f"{section}type: {tag.default}", "", tag.description))
                 rows += _rows(v, section, skip=common)
         else:
             rows.append(_row(prefix + name, _default(field, unset), field.description))

@@ -281,15 +281,15 @@ def test_read_blocks_until_a_push_or_the_timeout(backend: Backend) -> None:
     assert time.monotonic() - t0 < 3.0
 
 
-def test_unacked_entries_stay_pending_and_can_be_reclaimed(buf: Buffer) -> None:
+def test_unacked_entries_stay_pending_for_their_consumer(buf: Buffer) -> None:
     for j in range(3):
         buf.push(f"g{j}", b"%d" % j)
     first = buf.read("rank0", 2, 0)
     assert len(first) == 2
     assert (buf.stats()["queued"], buf.stats()["pending"]) == (1, 2)
-    assert buf.reclaim("rank1", 60_000, 10) == []  # not idle long enough
-    # rank0 "crashed": its pending entries go to whoever reclaims them, in order, without new ones.
-    again = buf.reclaim("rank1", 0, 10)
+    assert buf.pending("rank1") == []  # delivered to rank0 only
+    # rank0 "crashed": the restarted rank0 gets its pending entries back, in order, without new ones.
+    again = buf.pending("rank0")
     assert again == first
     # repeats and unknown ids are ignored and not counted
     assert buf.ack([e.entry_id for e in again] + [again[0].entry_id, "1-1"], "trained") == 2
@@ -297,13 +297,6 @@ def test_unacked_entries_stay_pending_and_can_be_reclaimed(buf: Buffer) -> None:
     s = buf.stats()
     assert (s["trained"], s["dropped_stale"], s["pending"], s["queued"]) == (2, 0, 0, 1)
     assert [e.frame for e in buf.read("rank1", 10, 0)] == [b"2"]
-
-
-def test_reclaim_respects_count(buf: Buffer) -> None:
-    for j in range(5):
-        buf.push(f"g{j}", b"%d" % j)
-    buf.read("rank0", 5, 0)
-    assert [e.frame for e in buf.reclaim("rank0", 0, 3)] == [b"0", b"1", b"2"]
 
 
 # ----- dead letters, versions, stats ------------------------------------------------------------
@@ -468,7 +461,7 @@ def test_restart_keeps_port_password_and_data(make_redis_server) -> None:
     s = buf.stats()  # the old client reconnects by itself
     assert (s["started"], s["pushed"], s["pending"], s["queued"]) == (1, 2, 1, 1)
     assert buf.get_version() == 3
-    assert buf.reclaim("rank0", 0, 10) == pending
+    assert buf.pending("rank0") == pending
     assert buf.push("g0", b"a") is False
     buf.close()
 

@@ -140,7 +140,7 @@ class Rec:
 class Observed(Buffer):
     """One rank's handle on the buffer: each call the consumer makes is checked by the model.
 
-    A consumer has no business admitting, pushing, releasing, reclaiming or publishing versions.
+    A consumer has no business admitting, pushing, releasing or publishing versions.
     """
 
     def __init__(self, inner: Buffer, model: BufferMachine, rank: int):
@@ -198,9 +198,6 @@ class Observed(Buffer):
 
     def release(self, *args, **kwargs):
         raise AssertionError("a consumer released slots")
-
-    def reclaim(self, *args, **kwargs):
-        raise AssertionError("a consumer reclaimed entries")
 
     def set_version(self, v: int) -> None:
         raise AssertionError("a consumer published a version")
