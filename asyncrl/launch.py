@@ -33,8 +33,8 @@ from asyncrl.config import Config, dump_config
 from asyncrl.control import RunControl, connect
 from asyncrl.errors import UserError
 from asyncrl.learners.checkpoint import read_committed
-from asyncrl.run_stats import Progress, RunStats
 from asyncrl.redis_server import free_loopback_port, url_address
+from asyncrl.run_stats import Progress, RunStats
 
 STOP_GRACE_S = 10.0  # children get this long to leave on their own before SIGTERM, then SIGKILL
 FINAL_EVAL_TIMEOUT_S = 180.0  # after the learners finish, how long the final evaluation may take
