@@ -4,25 +4,28 @@ Invariant: ``logprobs[t]`` of a completion is the log-probability of ``tokens[t]
 distribution actually sampled (temperature applied), computed with the weights of version
 ``versions[t]``, so the learner's importance ratios compare like with like, token by token.
 
-Weights that arrive during a ``generate`` call (``updates``, polled between engine steps) are
-handled by ``on_update``:
+Weights that arrive while an engine generates (``generator.engine.on_weight_update``):
 
-* ``wait``: not polled; applied by the caller after the call (every completion is one version);
-* ``continue``: applied between two steps; every unfinished request goes on from the tokens it has,
-  its KV cache recomputed under the new weights, so later tokens carry the new version and their
-  log-probs are exactly the new policy's;
-* ``abort``: applied between two steps; every unfinished request starts again from its prompt.
+* ``wait``: the caller uses ``generate`` and applies them after the call (every completion is one
+  version);
+* ``continue`` (``generate_updating``, vllm only): the engine asks the generator's ``WeightFeed``
+  between its steps and applies what it gets; every unfinished request goes on from the tokens it
+  has, its KV cache recomputed under the new weights, so later tokens carry the new version and
+  their log-probs are exactly the new policy's;
+* ``abort`` (likewise): every unfinished request starts again from its prompt.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from asyncrl.config import Config
+    from asyncrl.config import HfEngineConfig, ModelConfig, VllmEngineConfig
+    from asyncrl.generators.weight_feed import WeightFeed
 
 
 @dataclasses.dataclass
@@ -33,16 +36,6 @@ class Completion:
     versions: list[int] = dataclasses.field(default_factory=list)  # (T,) version that produced each token
 
 
-class WeightUpdates(Protocol):
-    """Where an engine gets weights that arrive while it generates (the generator implements it)."""
-
-    def poll(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """A version newer than the one served, and its tensors; None if there is none."""
-
-    def applied(self, version: int, seconds: float) -> None:
-        """The engine serves ``version`` now (it took ``seconds`` to apply)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     n: int
@@ -51,37 +44,36 @@ class Sampling:
     max_new_tokens: int
 
 
-OnUpdate = Literal["wait", "continue", "abort"]
+OnUpdate = Literal["continue", "abort"]  # on_weight_update other than wait
 
 
 class Engine(abc.ABC):
-    supports_updates_in_flight = False  # can honour on_update = continue | abort
-
     @abc.abstractmethod
-    def generate(
-        self,
-        prompts: list[list[int]],
-        sampling: Sampling,
-        version: int = 0,
-        updates: WeightUpdates | None = None,
-        on_update: OnUpdate = "wait",
+    def generate(self, prompts: list[list[int]], sampling: Sampling, version: int = 0) -> list[list[Completion]]:
+        """``sampling.n`` completions per prompt, all of weights ``version`` (the one served);
+        greedy when ``temperature`` is 0."""
+
+    def generate_updating(
+        self, prompts: list[list[int]], sampling: Sampling, feed: WeightFeed, on_update: OnUpdate
     ) -> list[list[Completion]]:
-        """``sampling.n`` completions per prompt; greedy when ``temperature`` is 0. ``version`` is
-        the version served at the start; see the module doc for ``updates`` and ``on_update``."""
+        """Like ``generate`` from ``feed.version``, but asks ``feed`` for newer weights between engine
+        steps and applies them as ``on_update`` says (see the module doc)."""
+        raise NotImplementedError(f"{type(self).__name__} applies weights only between calls")
 
     @abc.abstractmethod
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Replace every weight at once (HF names); called only between engine calls."""
+        """Replace every weight at once (HF names); called only between engine calls or steps."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
 
-def setup(cfg: Config, seed: int) -> Engine:
-    if cfg.generator.engine == "vllm":
+def setup(engine: VllmEngineConfig | HfEngineConfig, model: ModelConfig, max_num_seqs: int, seed: int) -> Engine:
+    """The engine ``engine.type`` names; ``max_num_seqs`` is the most sequences one call runs at once."""
+    if engine.type == "vllm":
         from asyncrl.generators.vllm_engine import VllmEngine
 
-        return VllmEngine(cfg, seed)
+        return VllmEngine(engine, model, max_num_seqs, seed)
     from asyncrl.generators.hf_engine import HfEngine
 
-    return HfEngine(cfg, seed)
+    return HfEngine(model, seed)

@@ -1,34 +1,27 @@
-"""transformers ``generate`` engine, for machines where vLLM cannot run and for fast tests."""
+"""transformers ``generate`` engine, for machines where vLLM cannot run and for fast tests.
+Weights change only between calls (``on_weight_update`` is always wait)."""
 
 from __future__ import annotations
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.config import Config
-from asyncrl.generators.engine import Completion, Engine, OnUpdate, Sampling, WeightUpdates
+from asyncrl.config import ModelConfig
+from asyncrl.generators.engine import Completion, Engine, Sampling
 
 
 class HfEngine(Engine):
-    def __init__(self, cfg: Config, seed: int):
-        self.dtype = getattr(torch, cfg.model.dtype)
+    def __init__(self, model: ModelConfig, seed: int):
+        self.dtype = getattr(torch, model.dtype)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=self.dtype).eval().to(self.device)
-        tok = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.model = AutoModelForCausalLM.from_pretrained(model.path, dtype=self.dtype).eval().to(self.device)
+        tok = AutoTokenizer.from_pretrained(model.path)
         self.pad_id = tok.pad_token_id
         self.eos_id = tok.eos_token_id
         self.generator = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[list[int]],
-        sampling: Sampling,
-        version: int = 0,
-        updates: WeightUpdates | None = None,
-        on_update: OnUpdate = "wait",
-    ) -> list[list[Completion]]:
-        """Always ``wait``: weights change only between calls (config validation refuses the others)."""
+    def generate(self, prompts: list[list[int]], sampling: Sampling, version: int = 0) -> list[list[Completion]]:
         flat = [p for p in prompts for _ in range(sampling.n)]
         width = max(len(p) for p in flat)
         # left-pad so every row continues at the same position

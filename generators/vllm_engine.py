@@ -6,13 +6,14 @@ path that works (``load_weights`` fails on the repacked CPU linear layers). The 
 in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so ``collective_rpc`` hands the tensors
 over by reference: nothing is serialised.
 
-Weights during a call (``on_update`` continue | abort): the call drives the engine step by step
-(``LLMEngine.add_request`` / ``step``, one request per sample, outputs as deltas) and polls for new
-weights between steps. On an update every unfinished request is aborted, the weights are loaded
-(and the prefix cache, now unused, reset), and each request is added again: ``continue`` with its
-prompt plus the tokens it has (a prefill under the new weights rebuilds its KV cache, so the tokens
-after the switch are sampled from, and scored by, exactly the new policy), ``abort`` with its
-prompt alone. The cost of ``continue`` is one prefill per unfinished request per update.
+Weights during a call (``generate_updating``, ``on_weight_update`` continue | abort): the call
+drives the engine step by step (``LLMEngine.add_request`` / ``step``, one request per sample,
+outputs as deltas) and asks the ``WeightFeed`` for newer weights between steps. On an update every
+unfinished request is aborted, the weights are loaded (and the prefix cache, now unused, reset), and
+each request is added again: ``continue`` with its prompt plus the tokens it has (a prefill under
+the new weights rebuilds its KV cache, so the tokens after the switch are sampled from, and scored
+by, exactly the new policy), ``abort`` with its prompt alone. The cost of ``continue`` is one
+prefill per unfinished request per update.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ import dataclasses
 import itertools
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.config import Config
-from asyncrl.generators.engine import Completion, Engine, OnUpdate, Sampling, WeightUpdates
+from asyncrl.generators.engine import Completion, Engine, OnUpdate, Sampling
+
+if TYPE_CHECKING:
+    from asyncrl.config import ModelConfig, VllmEngineConfig
+    from asyncrl.generators.weight_feed import WeightFeed
 
 
 class WeightReloadExtension:
@@ -34,52 +39,45 @@ class WeightReloadExtension:
     def asyncrl_reload(self, tensors: dict[str, torch.Tensor]) -> None:
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
 
-    def asyncrl_plain_params(self) -> dict[str, torch.Tensor]:
-        """Parameters still held as plain tensors (embeddings, norms, head). On CPU the linear
-        layers' weights live in opaque prepacked oneDNN handles and read back as empty."""
-        return {name: p.detach().clone() for name, p in self.model_runner.get_model().named_parameters() if p.numel()}
-
 
 class VllmEngine(Engine):
-    supports_updates_in_flight = True
-
-    def __init__(self, cfg: Config, seed: int):
+    def __init__(
+        self,
+        engine: VllmEngineConfig,
+        model: ModelConfig,
+        max_num_seqs: int,
+        seed: int,
+        extension: str = f"{__name__}.WeightReloadExtension",
+    ):
+        """``extension``: import path of the worker extension (a ``WeightReloadExtension``)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.generator.kv_cache_gb))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.kv_cache_gb))
         from vllm import LLM
 
         self.llm = LLM(
-            model=cfg.model.path,
-            dtype=cfg.model.dtype,
+            model=model.path,
+            dtype=model.dtype,
             seed=seed,
             enforce_eager=True,
-            max_model_len=_max_model_len(cfg.model.path),
-            max_num_seqs=max(64, cfg.generator.groups_in_flight * cfg.generator.n_samples),
+            max_model_len=_max_model_len(model.path),
+            max_num_seqs=max_num_seqs,
             # behaviour log-probs must be of the distribution actually sampled (temperature applied)
             logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.WeightReloadExtension",
+            worker_extension_cls=extension,
             gpu_memory_utilization=0.3,
         )
         self._ids = itertools.count()
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        sampling: Sampling,
-        version: int = 0,
-        updates: WeightUpdates | None = None,
-        on_update: OnUpdate = "wait",
-    ) -> list[list[Completion]]:
-        if updates is not None and on_update != "wait":
-            return self._generate_stepwise(prompts, sampling, version, updates, on_update)
+    def generate(self, prompts: list[list[int]], sampling: Sampling, version: int = 0) -> list[list[Completion]]:
         params = _params(sampling, sampling.max_new_tokens, n=sampling.n, stepwise=False)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [[_completion(c, version) for c in out.outputs] for out in outs]
 
-    def _generate_stepwise(
-        self, prompts: list[list[int]], sampling: Sampling, version: int, updates: WeightUpdates, on_update: str
+    def generate_updating(
+        self, prompts: list[list[int]], sampling: Sampling, feed: WeightFeed, on_update: OnUpdate
     ) -> list[list[Completion]]:
         engine = self.llm.llm_engine
+        version = feed.version
         live: dict[str, _Request] = {}
         requests = [_Request(p) for p in prompts for _ in range(sampling.n)]
         for req in requests:
@@ -92,14 +90,14 @@ class VllmEngine(Engine):
                     if out.finished:
                         req.finish_reason = "stop" if out.outputs[0].finish_reason == "stop" else "length"
                         del live[out.request_id]
-            update = updates.poll() if live else None
+            update = feed.newer() if live else None
             if update is None:
                 continue
             t0 = time.perf_counter()
             engine.abort_request(list(live))
-            version, tensors = update
-            self.load_weights(tensors)
-            updates.applied(version, time.perf_counter() - t0)
+            self.load_weights(update.tensors)
+            feed.applied(update, time.perf_counter() - t0)
+            version = update.version
             unfinished, live = list(live.values()), {}
             for req in unfinished:
                 if on_update == "abort":
@@ -117,9 +115,6 @@ class VllmEngine(Engine):
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         self.llm.collective_rpc("asyncrl_reload", args=(tensors,))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-
-    def plain_params(self) -> dict[str, torch.Tensor]:
-        return self.llm.collective_rpc("asyncrl_plain_params")[0]
 
 
 def _params(sampling: Sampling, max_tokens: int, n: int = 1, stepwise: bool = True):

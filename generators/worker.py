@@ -1,9 +1,10 @@
 """One generator process: the loop that turns prompts into scored trajectory groups.
 
 Each pass of the loop, between engine calls:
-  1. weights  - apply the newest verified version from the weight bus (never a partial one); with
-                ``generator.on_weight_update`` continue | abort the engine also polls for new
-                weights between its steps, and tokens carry the version that produced each
+  1. weights  - apply the newest verified version from the weight bus (never a partial one), through
+                the ``WeightFeed``; with ``generator.engine.on_weight_update`` continue | abort the
+                engine also asks the feed between its steps, and tokens carry the version that
+                produced each
   2. eval     - if this version is due for a greedy held-out evaluation and no other generator
                 claimed it, run it
   3. admit    - claim up to ``groups_in_flight`` groups under admission control, keyed on the
@@ -16,6 +17,7 @@ Each pass of the loop, between engine calls:
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import time
@@ -25,95 +27,72 @@ import numpy as np
 
 from asyncrl import buffers
 from asyncrl.buffers.base import live_groups
-from asyncrl.config import Config, load_config
+from asyncrl.config import DataConfig, GeneratorConfig, RunConfig, load_config
 from asyncrl.control import RunControl, connect
 from asyncrl.data import import_by_path, load_jsonl, prompt_for_sequence
 from asyncrl.generators.engine import Engine, Sampling
 from asyncrl.generators.engine import setup as setup_engine
+from asyncrl.generators.weight_feed import WeightFeed
 from asyncrl.metrics import RedisSink, setup_logging
 from asyncrl.protocol import Sample, TrajectoryGroup, encode_group
 from asyncrl.staleness import admission_limit, claim_share
-from asyncrl.weights import setup_subscriber
+from asyncrl.weights import WeightSubscriber, setup_subscriber
 
 log = logging.getLogger("asyncrl.generator")
 
 
-def eval_versions(cfg: Config) -> set[int]:
+def eval_versions(run: RunConfig) -> set[int]:
     """Versions that get a greedy held-out evaluation: the first, every ``eval_every``, the last."""
-    every = cfg.run.eval_every
-    due = set(range(0, cfg.run.steps, every)) if every else {0}
-    return due | {cfg.run.steps}
+    every = run.eval_every
+    due = set(range(0, run.steps, every)) if every else {0}
+    return due | {run.steps}
 
 
 class Generator:
-    def __init__(self, cfg: Config, ident: str, engine: Engine, buffer, control: RunControl, tokenizer):
-        self.cfg = cfg
+    def __init__(
+        self,
+        gen: GeneratorConfig,
+        data: DataConfig,
+        run: RunConfig,
+        groups_per_step: int,
+        *,
+        ident: str,
+        engine: Engine,
+        buffer,
+        control: RunControl,
+        tokenizer,
+        subscriber: WeightSubscriber,
+    ):
+        """``groups_per_step`` is the learner's B (admission control); the weights on disk, which
+        ``engine`` starts from, are version 0."""
+        self.gen_cfg, self.run_cfg, self.groups_per_step = gen, run, groups_per_step
         self.ident = ident
         self.engine = engine
         self.buffer = buffer
         self.control = control
         self.tok = tokenizer
         self.metrics = RedisSink(control, f"generator/{ident}")
-        self.records = load_jsonl(cfg.data.train)
-        self.eval_records = load_jsonl(cfg.data.eval)[: cfg.data.eval_size] if cfg.data.eval else []
-        self.reward_fn = import_by_path(cfg.data.reward)
-        self.version = 0  # the weights on disk are version 0
-        self.subscriber = None  # set by run(); the engine polls it between steps (WeightUpdates)
-        self._pending = None  # the update poll() handed to the engine, until it is applied
-        self._rejected = 0  # versions the subscriber rejected so far (metric weights/rejected)
-        self.due_evals = eval_versions(cfg) if cfg.generator.eval else set()
+        heartbeat = functools.partial(control.heartbeat, "generator", ident, pid=os.getpid())
+        self.feed = WeightFeed(subscriber, self.metrics, heartbeat, version=0)
+        self.records = load_jsonl(data.train)
+        self.eval_records = load_jsonl(data.eval)[: data.eval_size] if data.eval else []
+        self.reward_fn = import_by_path(data.reward)
+        self.due_evals = eval_versions(run) if gen.eval else set()
         self.sampling = Sampling(
-            n=cfg.generator.n_samples,
-            temperature=cfg.generator.temperature,
-            top_p=cfg.generator.top_p,
-            max_new_tokens=cfg.generator.max_new_tokens,
+            n=gen.n_samples,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            max_new_tokens=gen.max_new_tokens,
         )
+
+    @property
+    def version(self) -> int:
+        """The weights version the engine serves."""
+        return self.feed.version
 
     # -- phases ------------------------------------------------------------------------------------
-    def apply_weights(self, subscriber, timeout_ms: int = 0) -> None:
-        update = subscriber.poll(timeout_ms)
-        self._count_rejections(subscriber)
-        if update is None or update.version <= self.version:
-            return
-        t0 = time.perf_counter()
-        self.engine.load_weights(update.tensors)
-        self._applied(update, time.perf_counter() - t0)
-
-    # WeightUpdates: what the engine calls between its steps (on_update continue | abort)
-    def poll(self):
-        if self.subscriber is None:
-            return None
-        update = self.subscriber.poll(0)
-        self._count_rejections(self.subscriber)
-        if update is None or update.version <= self.version:
-            return None
-        self._pending = update
-        return update.version, update.tensors
-
-    def applied(self, version: int, seconds: float) -> None:
-        update, self._pending = self._pending, None
-        assert update is not None and update.version == version
-        self._applied(update, seconds)
-
-    def _count_rejections(self, subscriber) -> None:
-        """A version that failed verification (the subscriber logged why) becomes a metric."""
-        if subscriber.rejected != self._rejected:
-            self._rejected = subscriber.rejected
-            self.metrics.log({"weights/rejected": self._rejected, "generator/version": self.version})
-
-    def _applied(self, update, seconds: float) -> None:
-        self.version = update.version
-        self.control.heartbeat("generator", self.ident, version=self.version, checksum=update.checksum, pid=os.getpid())
-        self.metrics.log(
-            {
-                "generator/version": self.version,
-                "weights/apply_seconds": seconds,
-                "weights/receive_to_apply_seconds": time.time() - update.received_at,
-                "weights/published_at": update.published_at,
-                "weights/applied_at": time.time(),
-                "weights/bytes": update.nbytes,
-            }
-        )
+    def apply_weights(self, timeout_ms: int = 0) -> None:
+        self.feed.apply(self.engine, timeout_ms)
 
     def maybe_evaluate(self) -> None:
         if self.version not in self.due_evals or not self.eval_records:
@@ -136,11 +115,10 @@ class Generator:
         log.info("eval at version %d: reward %.3f", self.version, record["eval/reward_mean"])
 
     def admit(self) -> list[int]:
-        cfg = self.cfg
-        k, b = cfg.run.max_policy_lag, cfg.learner.groups_per_step
+        k, b = self.run_cfg.max_policy_lag, self.groups_per_step
         live = live_groups(self.buffer.stats())
         share = claim_share(
-            admission_limit(self.version, k, b) - live, cfg.run.generators, cfg.generator.groups_in_flight, b
+            admission_limit(self.version, k, b) - live, self.run_cfg.generators, self.gen_cfg.groups_in_flight, b
         )
         seqs = []
         while len(seqs) < share:  # each claim is atomic; the share only spreads them
@@ -151,12 +129,14 @@ class Generator:
         return seqs
 
     def generate(self, seqs: list[int]) -> list[TrajectoryGroup]:
-        claims = [prompt_for_sequence(s, len(self.records), self.cfg.run.seed) for s in seqs]
+        claims = [prompt_for_sequence(s, len(self.records), self.run_cfg.seed) for s in seqs]
         prompts = [self.tok.encode(self.records[idx]["prompt"]) for _, idx in claims]
         t0 = time.perf_counter()
-        mode = self.cfg.generator.on_weight_update
-        updates = self if mode != "wait" else None
-        outs = self.engine.generate(prompts, self.sampling, self.version, updates, mode)
+        mode = self.gen_cfg.engine.on_weight_update
+        if mode == "wait":
+            outs = self.engine.generate(prompts, self.sampling, self.version)
+        else:
+            outs = self.engine.generate_updating(prompts, self.sampling, self.feed, mode)
         seconds = time.perf_counter() - t0
         groups = []
         for (epoch, idx), prompt, comps in zip(claims, prompts, outs, strict=True):
@@ -196,20 +176,19 @@ class Generator:
             return 0.0
 
     # -- the loop ----------------------------------------------------------------------------------
-    def run(self, subscriber) -> None:
-        self.subscriber = subscriber
-        block_ms = self.cfg.buffer.block_ms
+    def run(self, block_ms: int) -> None:
+        """Until the run stops or the launcher dies; ``block_ms`` is how long a wait for weights blocks."""
         parent = os.getppid()
         while not self.control.stop_requested() and os.getppid() == parent:
-            self.apply_weights(subscriber)
+            self.apply_weights()
             self.maybe_evaluate()
             self.control.heartbeat("generator", self.ident, version=self.version, pid=os.getpid())
-            if self.version >= self.cfg.run.steps:  # the learner is done: only the final eval is left
-                self.apply_weights(subscriber, timeout_ms=block_ms)
+            if self.version >= self.run_cfg.steps:  # the learner is done: only the final eval is left
+                self.apply_weights(timeout_ms=block_ms)
                 continue
             seqs = self.admit()
             if not seqs:  # admission closed until newer weights arrive
-                self.apply_weights(subscriber, timeout_ms=block_ms)
+                self.apply_weights(timeout_ms=block_ms)
                 continue
             self.control.set_inflight(self.ident, len(seqs))
             self.push(self.generate(seqs))
@@ -232,13 +211,25 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     seed = zlib.crc32(f"{cfg.run.seed}/{args.id}/{args.incarnation}".encode())
-    engine = setup_engine(cfg, seed)
+    max_num_seqs = max(64, cfg.generator.groups_in_flight * cfg.generator.n_samples)
+    engine = setup_engine(cfg.generator.engine, cfg.model, max_num_seqs, seed)
     address = control.wait_meta("weights_address", timeout_s=600)
     subscriber = setup_subscriber(cfg.weights, address, subscriber_id=f"generator-{args.id}")
-    gen = Generator(cfg, args.id, engine, buffer, control, AutoTokenizer.from_pretrained(cfg.model.path))
-    log.info("generator %s up (engine %s)", args.id, cfg.generator.engine)
+    gen = Generator(
+        cfg.generator,
+        cfg.data,
+        cfg.run,
+        cfg.learner.groups_per_step,
+        ident=args.id,
+        engine=engine,
+        buffer=buffer,
+        control=control,
+        tokenizer=AutoTokenizer.from_pretrained(cfg.model.path),
+        subscriber=subscriber,
+    )
+    log.info("generator %s up (engine %s)", args.id, cfg.generator.engine.type)
     try:
-        gen.run(subscriber)
+        gen.run(cfg.buffer.block_ms)
     finally:
         subscriber.close()
         buffer.close()

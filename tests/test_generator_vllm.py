@@ -22,6 +22,7 @@ from asyncrl.buffers import MemoryBuffer  # noqa: E402
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.control import RunControl, connect  # noqa: E402
 from asyncrl.demo.model import build_model, build_tokenizer  # noqa: E402
+from asyncrl.generators.vllm_engine import VllmEngine, WeightReloadExtension  # noqa: E402
 from asyncrl.protocol import decode_group  # noqa: E402
 from asyncrl.weights import setup_publisher, setup_subscriber, state_dict_checksum  # noqa: E402
 from asyncrl.weights.wire import encode  # noqa: E402
@@ -45,7 +46,7 @@ def cfg(model_dir):
         {
             "model.path": str(model_dir),
             "model.recipe": None,
-            "generator.engine": "vllm",
+            "generator.engine.type": "vllm",
             "generator.n_samples": 4,
             "generator.groups_in_flight": 2,
             "generator.max_new_tokens": 8,
@@ -56,12 +57,40 @@ def cfg(model_dir):
     )
 
 
+class PlainParamsExtension(WeightReloadExtension):
+    """The product's worker extension plus a read-back of the parameters vLLM still holds as plain
+    tensors (embeddings, norms, head). On CPU the linear layers' weights live in opaque prepacked
+    oneDNN handles and read back as empty."""
+
+    def asyncrl_plain_params(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in self.model_runner.get_model().named_parameters() if p.numel()}
+
+
 @pytest.fixture(scope="module")
 def engine(cfg):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from asyncrl.generators.vllm_engine import VllmEngine
+    max_num_seqs = max(64, cfg.generator.groups_in_flight * cfg.generator.n_samples)
+    extension = f"{__name__}.{PlainParamsExtension.__qualname__}"
+    return VllmEngine(cfg.generator.engine, cfg.model, max_num_seqs, seed=0, extension=extension)
 
-    return VllmEngine(cfg, seed=0)
+
+def make_generator(cfg, engine, control, subscriber, model_dir):
+    from transformers import AutoTokenizer
+
+    from asyncrl.generators.worker import Generator
+
+    return Generator(
+        cfg.generator,
+        cfg.data,
+        cfg.run,
+        cfg.learner.groups_per_step,
+        ident="0",
+        engine=engine,
+        buffer=MemoryBuffer(),
+        control=control,
+        tokenizer=AutoTokenizer.from_pretrained(model_dir),
+        subscriber=subscriber,
+    )
 
 
 def learner_logprobs(state_dict, model_dir, prompt, tokens):
@@ -76,9 +105,7 @@ def learner_logprobs(state_dict, model_dir, prompt, tokens):
 
 
 def test_generator_serves_the_learners_version(cfg, engine, model_dir, redis_server):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from asyncrl.generators.worker import Generator
+    from transformers import AutoModelForCausalLM
 
     # the "learner": version 3 = initial weights moved by noise
     torch.manual_seed(3)
@@ -89,9 +116,9 @@ def test_generator_serves_the_learners_version(cfg, engine, model_dir, redis_ser
     subscriber = setup_subscriber(cfg.weights, publisher.address, "generator-0", have=0)
     try:
         publisher.publish(3, state)
-        gen = Generator(cfg, "0", engine, MemoryBuffer(), control, AutoTokenizer.from_pretrained(model_dir))
+        gen = make_generator(cfg, engine, control, subscriber, model_dir)
         for _ in range(50):
-            gen.apply_weights(subscriber, timeout_ms=100)
+            gen.apply_weights(timeout_ms=100)
             if gen.version == 3:
                 break
         assert gen.version == 3
@@ -104,13 +131,14 @@ def test_generator_serves_the_learners_version(cfg, engine, model_dir, redis_ser
         bad[2] = bytes([bad[2][0] ^ 1]) + bad[2][1:]
         corrupt_sub = bus.subscriber("generator-0", have=3)
         bus.inject(bad)
-        gen.apply_weights(corrupt_sub, timeout_ms=100)
+        gen.feed.subscriber = corrupt_sub  # the generator's weights now come from the corrupting bus
+        gen.apply_weights(timeout_ms=100)
         assert gen.version == 3 and corrupt_sub.rejected == 1
         _, records = control.read_metrics()
         assert [r["weights/rejected"] for r in records if "weights/rejected" in r] == [1]
 
         # every plain parameter equals the learner's bit for bit (vocab rows padded by vLLM aside)
-        plain = engine.plain_params()
+        plain = engine.llm.collective_rpc("asyncrl_plain_params")[0]
         assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(plain)
         for name, value in plain.items():
             expected = state[name]
@@ -157,12 +185,11 @@ class SwitchAfter:
 def test_weights_arriving_mid_generation(cfg, engine, model_dir, redis_server, mode):
     """continue: a trajectory's tokens carry two versions, each token's log-prob is exactly its
     version's; abort: unfinished samples restart, so every token is of the new version."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from asyncrl.config import load_config
-    from asyncrl.generators.worker import Generator
 
-    cfg = load_config(None, {**cfg.model_dump(), "generator": {**cfg.generator.model_dump(), "on_weight_update": mode}})
+    cfg = load_config(None, {**cfg.model_dump(), "generator.engine.on_weight_update": mode})
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     torch.manual_seed(5)
     states = {v: {k: t + 0.05 * torch.randn_like(t) for k, t in base.items()} for v in (5, 6)}
@@ -170,12 +197,12 @@ def test_weights_arriving_mid_generation(cfg, engine, model_dir, redis_server, m
     publisher = setup_publisher(cfg.weights)
     subscriber = setup_subscriber(cfg.weights, publisher.address, "generator-0", have=0)
     try:
-        gen = Generator(cfg, "0", engine, MemoryBuffer(), control, AutoTokenizer.from_pretrained(model_dir))
+        gen = make_generator(cfg, engine, control, subscriber, model_dir)
         publisher.publish(5, states[5])
         while gen.version != 5:
-            gen.apply_weights(subscriber, timeout_ms=100)
+            gen.apply_weights(timeout_ms=100)
         publisher.publish(6, states[6])
-        gen.subscriber = SwitchAfter(subscriber, polls=3)  # after the 3rd engine step
+        gen.feed.subscriber = SwitchAfter(subscriber, polls=3)  # after the 3rd engine step
         groups = gen.generate(gen.admit())
         assert gen.version == 6
         samples = [(g, s) for g in groups for s in g.samples]

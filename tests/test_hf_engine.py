@@ -18,7 +18,7 @@ def test_hf_engine_logprobs_match_the_learner(tmp_path):
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     cfg = load_config(None, {"model.path": str(tmp_path), "model.recipe": None, "generator.engine.type": "hf"})
-    engine = HfEngine(cfg, seed=0)
+    engine = HfEngine(cfg.model, seed=0)
     torch.manual_seed(1)
     state = {k: v + 0.02 * torch.randn_like(v) for k, v in model.state_dict().items()}
     engine.load_weights(state)
