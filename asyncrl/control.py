@@ -36,6 +36,7 @@ class RunControl:
         self.r = client
         self.prefix = prefix
         self.keys = RunKeys(prefix)
+        self.bad_metrics = 0  # metric entries read_metrics skipped (not a JSON object)
 
     # -- metadata ---------------------------------------------------------------------------------
     def set_meta(self, field: str, value: str | int | float) -> None:
@@ -114,8 +115,17 @@ class RunControl:
         self.r.xadd(self.keys.metrics, {"json": json.dumps(record)})
 
     def read_metrics(self, after: str = "0-0", count: int = 1000) -> tuple[str, list[dict]]:
+        """(the last entry id read, the records after ``after``); entries that are not a JSON object
+        in a ``json`` field are skipped and counted in ``bad_metrics``: one bad writer must not stop
+        the launcher's progress."""
         entries = self.r.xrange(self.keys.metrics, min=f"({after}" if after != "0-0" else "-", count=count)
-        records = [json.loads(fields[b"json"]) for _, fields in entries]
+        records = []
+        for _, fields in entries:
+            record = _json_object(fields.get(b"json"))
+            if record is None:
+                self.bad_metrics += 1
+            else:
+                records.append(record)
         last = entries[-1][0].decode() if entries else after
         if entries:
             self.r.xtrim(self.keys.metrics, minid=last)  # the launcher is the only reader
@@ -127,3 +137,11 @@ class RunControl:
 
     def stop_requested(self) -> bool:
         return bool(self.r.exists(self.keys.stop))
+
+
+def _json_object(raw: bytes | None) -> dict | None:
+    try:
+        value = json.loads(raw) if raw is not None else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -14,6 +14,9 @@ key                 type                  contents
                                           about ``DEAD_MAX_ENTRIES`` kept
 ``P counters``      hash                  the counters of ``buffers.base.COUNTER_KEYS``
 ``P seen``          zset                  the newest ``SEEN_WINDOW`` group ids pushed, by push order (dedup)
+``P unacked``       hash                  group id -> 1 (pushed) or the id of the entry that claimed it
+                                          when first delivered, until acknowledged: what tells a pushed
+                                          entry from a foreign one
 ``P once:<token>``  string, expires       the answer of an admission or release, for its retries
 ``P version``       string                the learner's policy version (absent: 0)
 ``P meta``          hash                  ``weights_address``, ``final_version``, ...: written once
@@ -48,6 +51,7 @@ class RunKeys:
         self.dead = self.prefix + "dead"
         self.counters = self.prefix + "counters"
         self.seen = self.prefix + "seen"
+        self.unacked = self.prefix + "unacked"
         self.version = self.prefix + "version"
         self.meta = self.prefix + "meta"
         self.staleness = self.prefix + "staleness"

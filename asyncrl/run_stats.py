@@ -76,6 +76,8 @@ class RunStats:
         self.restarts: dict[str, int] = {}
         self.weight_sync = WeightSync()
         self.sync_seconds: list[float] = []
+        self.bad_records = 0  # metric records of the wrong shape (skipped)
+        self.bad_records_read = 0  # metric entries that were not JSON objects (skipped by RunControl)
 
     def drain(self, control, on_eval=None) -> None:
         try:
@@ -83,28 +85,38 @@ class RunStats:
         except Exception:  # the run is ending because redis died; keep what we have
             return
         for record in records:
+            try:
+                self._fold(record, on_eval)
+                syncs = self.weight_sync.fold(record)
+            except (KeyError, TypeError, ValueError):  # a record of the wrong shape: skipped, counted
+                self.bad_records += 1
+                continue
             self.sink.log(record)
-            self._fold(record, on_eval)
-            for sync in self.weight_sync.fold(record):
+            for sync in syncs:
                 self.sink.log(sync)
                 self.sync_seconds.append(sync["weights/sync_seconds"])
+        self.bad_records_read = control.bad_metrics
 
     def _fold(self, record: dict, on_eval) -> None:
+        """Take one record; a field of the wrong shape raises before anything changed."""
         if "learner/version" in record:
-            self.version = record["learner/version"]
+            version, staleness_max = int(record["learner/version"]), int(record["buffer/staleness_max"])
+            staleness_mean = float(record["buffer/staleness_mean"])
+            dropped, samples = int(record["buffer/dropped_stale"]), int(record["learner/samples"])
+            wall = float(record["learner/wall_seconds"])
+            self.version = version
             self.reward = record.get("learner/reward_mean", self.reward)
-            self.staleness_mean = record["buffer/staleness_mean"]
-            self.max_staleness_seen = max(self.max_staleness_seen, int(record["buffer/staleness_max"]))
-            self.dropped_stale += int(record["buffer/dropped_stale"])
-            self.samples += int(record["learner/samples"])
-            wall = record["learner/wall_seconds"]
+            self.staleness_mean = staleness_mean
+            self.max_staleness_seen = max(self.max_staleness_seen, staleness_max)
+            self.dropped_stale += dropped
+            self.samples += samples
             if self.last_step_at is not None and wall + self.wall_offset < self.last_step_at[0]:
                 self.wall_offset = self.last_step_at[0]  # the learners restarted; their clock did too
             point = (wall + self.wall_offset, self.samples)
             self.first_step_at = self.first_step_at or point
             self.last_step_at = point
         if "eval/reward_mean" in record:
-            self.evals[int(record["eval/version"])] = record["eval/reward_mean"]
+            self.evals[int(record["eval/version"])] = float(record["eval/reward_mean"])
             if on_eval is not None:
                 on_eval(
                     f"eval at version {record['eval/version']}: reward {record['eval/reward_mean']:.3f} "
@@ -144,6 +156,7 @@ class RunStats:
             "wall_seconds": time.time() - self.started,
             "exit_reason": exit_reason,
             "error": self.error,
+            "bad_metric_records": self.bad_records + self.bad_records_read,
         }
 
     def write_summary(self, run_dir: Path, exit_reason: str) -> dict:

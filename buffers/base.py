@@ -27,8 +27,10 @@ memory buffer; threads and processes for Redis):
   :meth:`read` to another; it stays *pending* until acknowledged (:meth:`pending` gives a restarted
   consumer its own back).
 * **every pushed group is accounted for**: ``pushed = trained + dropped_stale + filtered + dead +
-  queued + pending``; outcome counters move only together with the acknowledgement that removes
-  the entry, so a retried acknowledgement counts once.
+  queued + pending - foreign_in_buffer``, whatever else is written to the stream; outcome counters
+  move only together with the acknowledgement that removes the entry, so a retried acknowledgement
+  counts once. Entries that push() did not append are ``foreign``: a consumer dead-letters them
+  unread (:attr:`Entry.admitted`), and they are counted apart.
 * counters only grow (except ``queued``/``pending``, which are gauges).
 """
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 # Counters every implementation reports from :meth:`Buffer.stats` (``queued``/``pending`` are gauges).
 COUNTER_KEYS = (
@@ -49,11 +52,14 @@ COUNTER_KEYS = (
     "filtered",  # groups acknowledged unused: dynamic filtering, e.g. zero reward variance (slots given back)
     "dead",  # frames acknowledged onto the dead-letter stream (slots given back)
     "replayed",  # extra trainings of a group beyond its first (each takes a slot)
+    "foreign",  # entries push() never appended (a raw write to the stream, a copy of a pushed group id):
+    # dead-lettered when read, counted only here; they never take or give back an admission slot
 )
 STAT_KEYS = (
     *COUNTER_KEYS,
-    "queued",  # gauge: entries appended but not yet delivered to any consumer
-    "pending",  # gauge: entries delivered but not yet acknowledged
+    "queued",  # gauge: entries appended but not yet delivered to any consumer (foreign ones included)
+    "pending",  # gauge: entries delivered but not yet acknowledged (foreign ones included)
+    "foreign_in_buffer",  # gauge: foreign entries among queued + pending
 )
 # Outcomes :meth:`Buffer.ack` accepts, and the counter each one moves.
 OUTCOMES = {"trained": "trained", "stale": "dropped_stale", "filtered": "filtered"}
@@ -76,8 +82,11 @@ class Entry:
     """One trajectory group as delivered to a learner rank."""
 
     entry_id: str  # buffer-assigned, increasing in append order (a Redis stream id like "17-0")
-    frame: bytes  # the msgpack frame as pushed (see asyncrl.protocol)
+    frame: bytes  # the msgpack frame as pushed (see asyncrl.protocol); b"" when the entry has none
     producer: str = "unknown"  # who pushed it, as they said at push time
+    gid: str = ""  # the group id it was pushed under
+    admitted: bool = True  # appended by push() and not acknowledged yet; False: a foreign entry
+    malformed: str | None = None  # why the entry's fields are unusable (no frame, ...), if they are
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,7 +113,7 @@ def live_groups(counts: dict[str, int]) -> int:
 def lost_groups(counts: dict[str, int]) -> int:
     """Pushed groups that are in no outcome and not in the buffer: 0 unless a guarantee broke."""
     kept = sum(counts[k] for k in ("trained", "dropped_stale", "filtered", "dead", "queued", "pending"))
-    return counts["pushed"] - kept
+    return counts["pushed"] - (kept - counts["foreign_in_buffer"])
 
 
 def new_token() -> str:
@@ -172,21 +181,21 @@ class Buffer(ABC):
         """The ids of :meth:`pending` (cheap: no frames)."""
 
     @abstractmethod
-    def ack(self, entry_ids: list[str], outcome: str) -> int:
+    def ack(self, entries: Sequence[Entry], outcome: str) -> int:
         """Acknowledge delivered entries with their ``outcome`` (a key of :data:`OUTCOMES`): they
         are done, removed from the buffer, and counted. Returns how many were acknowledged now.
 
         ``trained``: only after the learner checkpoint that includes their update is committed.
         ``stale`` / ``filtered``: at once; their admission slots are given back (else a learner
-        that waits for fresh groups could wait forever). Unknown or already-acknowledged ids are
-        ignored and not counted.
+        that waits for fresh groups could wait forever). Unknown or already-acknowledged entries
+        are ignored and not counted; a foreign one is counted as ``foreign``, not as ``outcome``.
         """
 
     @abstractmethod
-    def dead_letter(self, entry_id: str, frame: bytes, reason: str, producer: str) -> bool:
-        """Acknowledge entry ``entry_id`` as ``dead`` and keep its frame on the dead-letter stream
-        with ``reason`` and ``producer``, atomically. False (nothing kept) if it was acknowledged
-        already."""
+    def dead_letter(self, entry: Entry, reason: str) -> str | None:
+        """Acknowledge ``entry`` and keep its frame on the dead-letter stream with ``reason`` and
+        its producer, atomically. Returns the counter it moved: ``dead`` (a pushed group: its slot
+        is given back) or ``foreign``; None (nothing kept) if it was acknowledged already."""
 
     @abstractmethod
     def record_replays(self, n: int, token: str | None = None) -> None:

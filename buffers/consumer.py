@@ -6,6 +6,7 @@ acknowledged (see ``base.py``):
 ==========  ========================================================  ============================
 outcome     when                                                      acknowledged
 ==========  ========================================================  ============================
+foreign     push() did not append it (a raw write to the stream)      at once, onto dead letters
 dead        the frame does not decode or validate, or is too large    at once, onto dead letters
 stale       its version is outside the lag bound when judged          at once
 filtered    dynamic filtering: every sample has the same reward       at once
@@ -41,6 +42,10 @@ from asyncrl.staleness import is_fresh
 log = logging.getLogger("asyncrl.buffer")
 
 
+# Outcomes decided (and acknowledged) as soon as an entry is judged, as ``Batch.counts`` keys.
+OUTCOMES_AT_ONCE = ("foreign", "dead", "stale", "filtered")
+
+
 class StopRequested(SystemExit):
     """The run is stopping while a rank waits for groups (what it had taken is held again)."""
 
@@ -59,16 +64,20 @@ class ConsumerRules:
 class Held:
     """An entry this rank holds (pending in the buffer) with the group it carries."""
 
-    entry_id: str
+    entry: Entry
     group: TrajectoryGroup
     uses: int = 0  # optimizer steps that used it since the last committed checkpoint's state
+
+    @property
+    def entry_id(self) -> str:
+        return self.entry.entry_id
 
 
 @dataclasses.dataclass
 class Batch:
     items: list[Held]
     replays: int  # items used before
-    counts: dict[str, int]  # outcomes decided while this batch was taken: dead, stale, filtered
+    counts: dict[str, int]  # outcomes decided while this batch was taken: foreign, dead, stale, filtered
 
     @property
     def groups(self) -> list[TrajectoryGroup]:
@@ -86,6 +95,10 @@ def judge(group: TrajectoryGroup, version: int, rules: ConsumerRules) -> str | N
 
 def decode_checked(entry: Entry, rules: ConsumerRules) -> TrajectoryGroup:
     """The entry's group; :class:`ProtocolError` (the dead-letter reason) if it must not be used."""
+    if entry.malformed is not None:
+        raise ProtocolError(entry.malformed)
+    if not entry.admitted:
+        raise ProtocolError("not appended by the buffer's push (no admission): a foreign stream entry")
     if len(entry.frame) > rules.max_frame_bytes:
         raise ProtocolError(f"frame of {len(entry.frame)} bytes exceeds buffer.max_frame_mb")
     return decode_group(entry.frame)
@@ -99,14 +112,14 @@ class BatchConsumer:
         self.pool: dict[str, Held] = {}  # trained, budget left, pending: replay candidates
         self.done: dict[str, Held] = {}  # trained, budget spent or stale: acknowledged at commit
         self.fresh: list[Held] = []  # judged usable, never trained (recovered or read ahead)
-        self.totals = dict.fromkeys(("dead", "stale", "filtered", "replays"), 0)
+        self.totals = dict.fromkeys((*OUTCOMES_AT_ONCE, "replays"), 0)
 
     # ----- taking a batch ---------------------------------------------------------------------
 
     def take(self, need: int, version: int, block_ms: int, stop: Callable[[], bool] = lambda: False) -> Batch:
         """``need`` usable groups for the step at ``version``: new ones first, then replays, then
         wait for new ones. Entries found unusable on the way are acknowledged with their outcome."""
-        counts = dict.fromkeys(("dead", "stale", "filtered"), 0)
+        counts = dict.fromkeys(OUTCOMES_AT_ONCE, 0)
         self._retire_stale_replays(version)
         new = self._take_fresh(need, version, counts)
         while len(new) < need:  # everything already in the buffer comes before replays
@@ -143,7 +156,7 @@ class BatchConsumer:
         for held in self.fresh:
             reason = judge(held.group, version, self.rules)
             if reason is not None:
-                self._ack_unused([held.entry_id], reason, counts)
+                self._ack_unused([held.entry], reason, counts)
             elif len(items) < need:
                 items.append(held)
             else:
@@ -170,27 +183,28 @@ class BatchConsumer:
     def _accept(self, entries: list[Entry], version: int, counts: dict[str, int]) -> list[Held]:
         """Judge newly read entries; acknowledge the unusable ones now; return the usable ones."""
         usable: list[Held] = []
-        unused: dict[str, list[str]] = {"stale": [], "filtered": []}
+        unused: dict[str, list[Entry]] = {"stale": [], "filtered": []}
         for entry in entries:
             try:
                 group = decode_checked(entry, self.rules)
             except ProtocolError as exc:
-                if self.buffer.dead_letter(entry.entry_id, entry.frame, str(exc), entry.producer):
-                    counts["dead"] += 1
+                counter = self.buffer.dead_letter(entry, str(exc))
+                if counter is not None:
+                    counts[counter] += 1
                 log.warning("dead letter %s from %s: %s", entry.entry_id, entry.producer, exc)
                 continue
             reason = judge(group, version, self.rules)
             if reason is None:
-                usable.append(Held(entry.entry_id, group))
+                usable.append(Held(entry, group))
             else:
-                unused[reason].append(entry.entry_id)
-        for reason, ids in unused.items():
-            self._ack_unused(ids, reason, counts)
+                unused[reason].append(entry)
+        for reason, unusable in unused.items():
+            self._ack_unused(unusable, reason, counts)
         return usable
 
-    def _ack_unused(self, entry_ids: list[str], reason: str, counts: dict[str, int]) -> None:
-        if entry_ids:
-            counts[reason] += self.buffer.ack(entry_ids, reason)
+    def _ack_unused(self, entries: list[Entry], reason: str, counts: dict[str, int]) -> None:
+        if entries:
+            counts[reason] += self.buffer.ack(entries, reason)
 
     def _adopt_orphans(self, taking: list[Held]) -> list[Entry]:
         """Entries pending for this consumer that it does not hold: a read whose reply was lost
@@ -225,17 +239,17 @@ class BatchConsumer:
         if final:
             self.done.update(self.pool)
             self.pool.clear()
-        ids = list(self.done)
-        n = self.buffer.ack(ids, "trained") if ids else 0
+        entries = [h.entry for h in self.done.values()]
+        n = self.buffer.ack(entries, "trained") if entries else 0
         self.done.clear()
         return n
 
     def recover(self, version: int, uses: dict[str, int]) -> dict[str, int]:
         """After a restart from the checkpoint at ``version`` whose state was ``uses``: take back
         every entry this consumer had pending and judge it again. Returns outcome counts."""
-        counts = dict.fromkeys(("dead", "stale", "filtered", "trained", "replay", "fresh"), 0)
+        counts = dict.fromkeys((*OUTCOMES_AT_ONCE, "trained", "replay", "fresh"), 0)
         entries = self.buffer.pending(self.consumer)
-        trained_ids = []
+        trained = []
         for entry in entries:
             used = uses.get(entry.entry_id, 0)
             if used == 0:
@@ -244,12 +258,12 @@ class BatchConsumer:
                 counts["fresh"] += len(usable)
                 continue
             group = decode_checked(entry, self.rules)  # it decoded when it was trained
-            held = Held(entry.entry_id, group, used)
+            held = Held(entry, group, used)
             if used >= self.rules.replay_times or judge(group, version, self.rules) is not None:
-                trained_ids.append(entry.entry_id)  # its effect is in the committed model
+                trained.append(entry)  # its effect is in the committed model
             else:
                 self.pool[entry.entry_id] = held
                 counts["replay"] += 1
-        if trained_ids:
-            counts["trained"] = self.buffer.ack(trained_ids, "trained")
+        if trained:
+            counts["trained"] = self.buffer.ack(trained, "trained")
         return counts

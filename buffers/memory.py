@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Sequence
 
 from asyncrl.buffers.base import (
     COUNTER_KEYS,
@@ -72,7 +73,7 @@ class MemoryBuffer(Buffer):
             if len(self._seen) > SEEN_WINDOW:
                 self._seen.popitem(last=False)
             self._next_id += 1
-            self._queue.append(Entry(f"{self._next_id}-0", bytes(frame), str(producer)))
+            self._queue.append(Entry(f"{self._next_id}-0", bytes(frame), str(producer), str(group_id)))
             self._counters["pushed"] += 1
             self._cond.notify_all()
             return True
@@ -117,22 +118,23 @@ class MemoryBuffer(Buffer):
     def pending_ids(self, consumer: str) -> list[str]:
         return [e.entry_id for e in self.pending(consumer)]
 
-    def ack(self, entry_ids: list[str], outcome: str) -> int:
+    def ack(self, entries: Sequence[Entry], outcome: str) -> int:
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {outcome!r}; expected one of {sorted(OUTCOMES)}")
         with self._cond:
-            n = sum(self._pending.pop(entry_id, None) is not None for entry_id in entry_ids)
+            n = sum(self._pending.pop(e.entry_id, None) is not None for e in entries)
             self._counters[OUTCOMES[outcome]] += n
             return n
 
-    def dead_letter(self, entry_id: str, frame: bytes, reason: str, producer: str) -> bool:
-        letter = DeadLetter(str(reason), str(producer), len(frame), bytes(frame[:DEAD_FRAME_MAX_BYTES]))
+    def dead_letter(self, entry: Entry, reason: str) -> str | None:
+        frame = entry.frame
+        letter = DeadLetter(str(reason), entry.producer, len(frame), bytes(frame[:DEAD_FRAME_MAX_BYTES]))
         with self._cond:
-            if self._pending.pop(entry_id, None) is None:
-                return False
+            if self._pending.pop(entry.entry_id, None) is None:
+                return None
             self._dead.append(letter)
-            self._counters["dead"] += 1
-            return True
+            self._counters["dead"] += 1  # only push() appends here: nothing in memory is foreign
+            return "dead"
 
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         check_count("count", count)
@@ -151,7 +153,7 @@ class MemoryBuffer(Buffer):
 
     def stats(self) -> dict[str, int]:
         with self._cond:
-            return {**self._counters, "queued": len(self._queue), "pending": len(self._pending)}
+            return {**self._counters, "queued": len(self._queue), "pending": len(self._pending), "foreign_in_buffer": 0}
 
     def close(self) -> None:
         pass

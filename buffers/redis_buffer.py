@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import random
 import time
+from collections.abc import Sequence
 
 import redis
 from redis.backoff import NoBackoff
@@ -93,11 +94,12 @@ end
 return 0
 """
 
-# KEYS: seen, traj, counters. ARGV: group id, seen window. Runs in one MULTI/EXEC right after the
-# XADD of the group, so the newest entry of traj is that XADD's: 1 if it stays (counted), 0 if the id
-# is a duplicate and the entry is deleted again (only then is the frame copied into Lua). Refuses
-# before changing anything if traj is not a stream (the XADD failed with WRONGTYPE). The seen set
-# keeps the newest ids only (scored by the pushed counter).
+# KEYS: seen, traj, counters, unacked. ARGV: group id, seen window. Runs in one MULTI/EXEC right
+# after the XADD of the group, so the newest entry of traj is that XADD's: 1 if it stays (counted, and
+# its group id marked unacked: that is what tells it from a foreign entry), 0 if the id is a duplicate
+# and the entry is deleted again (only then is the frame copied into Lua). Refuses before changing
+# anything if traj is not a stream (the XADD failed with WRONGTYPE). The seen set keeps the newest ids
+# only (scored by the pushed counter).
 _PUSH = """
 if redis.call('TYPE', KEYS[2]).ok ~= 'stream' then return redis.error_reply('ERR traj is not a stream') end
 local order = (tonumber(redis.call('HGET', KEYS[3], 'pushed')) or 0) + 1
@@ -108,35 +110,67 @@ if redis.call('ZADD', KEYS[1], 'NX', order, ARGV[1]) == 0 then
   return 0
 end
 redis.call('HINCRBY', KEYS[3], 'pushed', 1)
+redis.call('HSET', KEYS[4], ARGV[1], 1)
 local excess = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[2])
 if excess > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, excess - 1) end
 return 1
 """
 
-# KEYS: traj, counters. ARGV: consumer group, counter, entry ids... Deletes only what XACK
-# acknowledged, so an id that was never delivered (or is unknown) cannot make a queued entry
-# disappear, and an acknowledgement retried after a lost reply counts nothing twice.
+# KEYS: unacked. ARGV: (entry id, group id) pairs of entries just delivered. The first entry
+# delivered with a pushed group id claims it (push() appended the real one before any copy could
+# follow it in the stream); returns 1 per entry that holds its group id's claim, 0 for a foreign one.
+# Idempotent: an entry delivered again (a restarted consumer's pending entries) keeps its claim.
+_CLAIM = """
+local out = {}
+for i = 1, #ARGV, 2 do
+  local mark = redis.call('HGET', KEYS[1], ARGV[i + 1])
+  if mark == '1' then
+    redis.call('HSET', KEYS[1], ARGV[i + 1], ARGV[i])
+    mark = ARGV[i]
+  end
+  out[#out + 1] = (mark == ARGV[i]) and 1 or 0
+end
+return out
+"""
+
+# KEYS: traj, counters, unacked. ARGV: consumer group, counter, then (entry id, group id) pairs.
+# Deletes only what XACK acknowledged, so an id that was never delivered (or is unknown) cannot make
+# a queued entry disappear, and an acknowledgement retried after a lost reply counts nothing twice.
+# An entry counts as ``counter`` only if it holds its group id's claim (_CLAIM); otherwise it is
+# foreign. Returns the entries counted as ``counter``.
 _ACK = """
-local n = 0
-for i = 3, #ARGV do
+local n, foreign = 0, 0
+for i = 3, #ARGV, 2 do
   if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
     redis.call('XDEL', KEYS[1], ARGV[i])
-    n = n + 1
+    if redis.call('HGET', KEYS[3], ARGV[i + 1]) == ARGV[i] then
+      redis.call('HDEL', KEYS[3], ARGV[i + 1])
+      n = n + 1
+    else
+      foreign = foreign + 1
+    end
   end
 end
 if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[2], n) end
+if foreign > 0 then redis.call('HINCRBY', KEYS[2], 'foreign', foreign) end
 return n
 """
 
-# KEYS: traj, counters, dead. ARGV: consumer group, entry id, reason, producer, size, frame head,
-# dead-letter cap. Acknowledges the entry and keeps the letter, or does nothing if acknowledged.
+# KEYS: traj, counters, dead, unacked. ARGV: consumer group, entry id, group id, reason, producer,
+# size, frame head, dead-letter cap. Acknowledges the entry and keeps the letter; returns 1 (counted
+# dead), 2 (foreign) or 0 (acknowledged already: nothing done).
 _DEAD = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
-redis.call('HINCRBY', KEYS[2], 'dead', 1)
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*',
-  'reason', ARGV[3], 'producer', ARGV[4], 'size', ARGV[5], 'frame', ARGV[6])
-return 1
+local outcome = 2
+if redis.call('HGET', KEYS[4], ARGV[3]) == ARGV[2] then
+  redis.call('HDEL', KEYS[4], ARGV[3])
+  outcome = 1
+end
+redis.call('HINCRBY', KEYS[2], outcome == 1 and 'dead' or 'foreign', 1)
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*',
+  'reason', ARGV[4], 'producer', ARGV[5], 'size', ARGV[6], 'frame', ARGV[7])
+return outcome
 """
 
 
@@ -204,6 +238,7 @@ class RedisBuffer(Buffer):
         self.keys = RunKeys(self.prefix)
         self._admit = self._r.register_script(_ADMIT)
         self._ack = self._r.register_script(_ACK)
+        self._claim = self._r.register_script(_CLAIM)
         self._dead = self._r.register_script(_DEAD)
         self._incr_once = self._r.register_script(_INCR_ONCE)
         try:
@@ -240,7 +275,8 @@ class RedisBuffer(Buffer):
         pipe.xadd(self.keys.traj, {"gid": group_id, "producer": producer, "frame": frame})
         # EVAL, not EVALSHA: after a server restart EVALSHA would fail with NOSCRIPT inside EXEC,
         # after the XADD had run. The script body costs ~1 KB per push next to a ~100 KB frame.
-        pipe.eval(_PUSH, 3, self.keys.seen, self.keys.traj, self.keys.counters, group_id, SEEN_WINDOW)
+        keys = (self.keys.seen, self.keys.traj, self.keys.counters, self.keys.unacked)
+        pipe.eval(_PUSH, len(keys), *keys, group_id, SEEN_WINDOW)
         return bool(pipe.execute()[1])
 
     def release(self, n: int = 1, token: str | None = None) -> None:
@@ -273,7 +309,18 @@ class RedisBuffer(Buffer):
                 raise
             self._ensure_group()  # the server lost its data (no persistence) or someone deleted it
             reply = self._read(consumer, count, block)
-        return [_entry(eid, fields) for _, entries in reply or [] for eid, fields in entries if fields]
+        return self._entries([(eid, fields) for _, entries in reply or [] for eid, fields in entries if fields])
+
+    def _entries(self, rows: list[tuple]) -> list[Entry]:
+        """Entries of delivered stream rows, each marked admitted iff it holds its group id's claim."""
+        if not rows:
+            return []
+        gids = [_text(fields.get(b"gid")) for _, fields in rows]
+        claims = self._claim(
+            keys=[self.keys.unacked], args=[x for (eid, _), g in zip(rows, gids, strict=True) for x in (_id(eid), g)]
+        )
+        rows = zip(rows, gids, claims, strict=True)
+        return [_entry(eid, fields, gid, bool(claim)) for (eid, fields), gid, claim in rows]
 
     def _read(self, consumer: str, count: int, block: int | None):
         return self._r.xreadgroup(GROUP, consumer, {self.keys.traj: ">"}, count=count, block=block)
@@ -288,7 +335,7 @@ class RedisBuffer(Buffer):
             if not entries:
                 return out
             # an entry deleted while pending comes back with no fields; there is nothing to redo
-            out.extend(_entry(eid, fields) for eid, fields in entries if fields)
+            out.extend(self._entries([(eid, fields) for eid, fields in entries if fields]))
             start = entries[-1][0]
 
     @_retrying
@@ -303,18 +350,21 @@ class RedisBuffer(Buffer):
             start = "(" + out[-1]
 
     @_retrying
-    def ack(self, entry_ids: list[str], outcome: str) -> int:
+    def ack(self, entries: Sequence[Entry], outcome: str) -> int:
         counter = _outcome_counter(outcome)
-        if not entry_ids:
+        if not entries:
             return 0
-        return int(self._ack(keys=[self.keys.traj, self.keys.counters], args=[GROUP, counter, *entry_ids]))
+        pairs = [x for e in entries for x in (e.entry_id, e.gid)]
+        keys = [self.keys.traj, self.keys.counters, self.keys.unacked]
+        return int(self._ack(keys=keys, args=[GROUP, counter, *pairs]))
 
     @_retrying
-    def dead_letter(self, entry_id: str, frame: bytes, reason: str, producer: str) -> bool:
-        keys = [self.keys.traj, self.keys.counters, self.keys.dead]
-        head = bytes(frame[:DEAD_FRAME_MAX_BYTES])
-        args = [GROUP, entry_id, str(reason), str(producer), len(frame), head, DEAD_MAX_ENTRIES]
-        return bool(self._dead(keys=keys, args=args))
+    def dead_letter(self, entry: Entry, reason: str) -> str | None:
+        keys = [self.keys.traj, self.keys.counters, self.keys.dead, self.keys.unacked]
+        head = bytes(entry.frame[:DEAD_FRAME_MAX_BYTES])
+        size = len(entry.frame)
+        args = [GROUP, entry.entry_id, entry.gid, str(reason), entry.producer, size, head, DEAD_MAX_ENTRIES]
+        return {0: None, 1: "dead", 2: "foreign"}[int(self._dead(keys=keys, args=args))]
 
     @_retrying
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
@@ -349,11 +399,15 @@ class RedisBuffer(Buffer):
         pipe.hgetall(self.keys.counters)
         pipe.xlen(self.keys.traj)
         pipe.xpending(self.keys.traj, GROUP)
-        counters, length, pending = pipe.execute()
+        pipe.hlen(self.keys.unacked)
+        counters, length, pending, pushed_in_buffer = pipe.execute()
         out = {k: int(counters.get(k.encode(), 0)) for k in COUNTER_KEYS}
         out["pending"] = int(pending["pending"])
         # Acknowledged entries are deleted, so the stream holds exactly the queued + pending ones.
         out["queued"] = int(length) - out["pending"]
+        # Pushed groups in the stream are the unacked ones; anything else there is foreign. (Never
+        # below 0: a pushed entry missing from the stream, deleted behind our back, shows as lost.)
+        out["foreign_in_buffer"] = max(0, int(length) - int(pushed_in_buffer))
         return out
 
     def close(self) -> None:
@@ -364,10 +418,17 @@ def _id(entry_id: bytes | str) -> str:
     return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
 
-def _entry(entry_id: bytes | str, fields: dict) -> Entry:
-    eid = _id(entry_id)
-    producer = fields.get(b"producer", b"unknown").decode(errors="replace")
-    return Entry(eid, fields[b"frame"], producer)
+def _text(value: bytes | None, default: str = "") -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else default
+
+
+def _entry(entry_id: bytes | str, fields: dict, gid: str, admitted: bool) -> Entry:
+    """An Entry of a stream row of any shape: a row without a frame is kept, marked malformed."""
+    producer = _text(fields.get(b"producer"), "unknown")
+    frame = fields.get(b"frame")
+    names = sorted(_text(k) for k in fields)[:8]
+    malformed = None if frame is not None else f"entry has no frame field (fields: {names})"
+    return Entry(_id(entry_id), frame or b"", producer, gid, admitted, malformed)
 
 
 def _outcome_counter(outcome: str) -> str:

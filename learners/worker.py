@@ -205,6 +205,7 @@ def step_sums(groups: list[TrajectoryGroup], batch: Batch, stale: list[int], mis
         "groups": len(stale),
         "dropped_stale": batch.counts["stale"],
         "dead": batch.counts["dead"],
+        "foreign": batch.counts["foreign"],
         "filtered": batch.counts["filtered"],
         "replays": batch.replays,
         "mismatch_sum": mismatch[0],
@@ -231,6 +232,7 @@ def step_record(version: int, out: StepLoss, total: dict, max_stale: float, lr: 
         "buffer/staleness_max": max_stale,
         "buffer/dropped_stale": total["dropped_stale"],
         "buffer/dead_letters": total["dead"],
+        "buffer/foreign_entries": total["foreign"],
         "buffer/filtered_groups": total["filtered"],
         "buffer/replays": total["replays"],
     }

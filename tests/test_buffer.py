@@ -24,7 +24,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from asyncrl.buffers import STAT_KEYS, Buffer, BufferUnavailableError, MemoryBuffer, run_prefix, setup
-from asyncrl.buffers.base import DEAD_FRAME_MAX_BYTES, live_groups
+from asyncrl.buffers.base import DEAD_FRAME_MAX_BYTES, Entry, live_groups
 from asyncrl.buffers.redis_buffer import RedisBuffer
 from asyncrl.config import MemoryBufferConfig, RedisBufferConfig
 from asyncrl.errors import UserError
@@ -132,9 +132,9 @@ def _settle(buf: Buffer, n: int, outcome: str) -> None:
     entries = buf.read("settler", n, 0)
     assert len(entries) == n
     if outcome == "dead":
-        assert all(buf.dead_letter(e.entry_id, e.frame, "bad", "test") for e in entries)
+        assert all(buf.dead_letter(e, "bad") == "dead" for e in entries)
     else:
-        assert buf.ack([e.entry_id for e in entries], outcome) == n
+        assert buf.ack(entries, outcome) == n
 
 
 def test_unused_and_released_slots_are_given_back_and_replays_take_one(buf: Buffer) -> None:
@@ -158,7 +158,7 @@ def test_unused_and_released_slots_are_given_back_and_replays_take_one(buf: Buff
     with pytest.raises(ValueError):
         buf.release(-1)
     with pytest.raises(ValueError):
-        buf.ack(["1-0"], "eaten")
+        buf.ack([Entry("1-0", b"")], "eaten")
 
 
 def test_retried_admission_and_release_count_once(buf: Buffer) -> None:
@@ -217,7 +217,7 @@ def test_duplicate_push_is_ignored(buf: Buffer) -> None:
     assert buf.push("g2", b"other") is True
     entries = buf.read("r0", 10, 0)
     assert [e.frame for e in entries] == [b"first", b"other"]
-    buf.ack([e.entry_id for e in entries], "trained")
+    buf.ack(entries, "trained")
     assert buf.push("g1", b"third") is False, "a group id stays taken after its entry is acknowledged"
     s = buf.stats()
     assert (s["pushed"], s["duplicates"], s["queued"]) == (2, 2, 0)
@@ -243,7 +243,7 @@ def test_each_entry_goes_to_exactly_one_of_two_consumers(backend: Backend) -> No
         while not (done.is_set() and buf.stats()["queued"] == 0):
             entries = readers[i].read(f"rank{i}", 4, 20)
             got[i].extend(entries)
-            readers[i].ack([e.entry_id for e in entries], "trained")
+            readers[i].ack(entries, "trained")
 
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
     for t in threads:
@@ -292,8 +292,8 @@ def test_unacked_entries_stay_pending_for_their_consumer(buf: Buffer) -> None:
     again = buf.pending("rank0")
     assert again == first
     # repeats and unknown ids are ignored and not counted
-    assert buf.ack([e.entry_id for e in again] + [again[0].entry_id, "1-1"], "trained") == 2
-    assert buf.ack([again[0].entry_id], "stale") == 0
+    assert buf.ack([*again, again[0], Entry("1-1", b"")], "trained") == 2
+    assert buf.ack([again[0]], "stale") == 0
     s = buf.stats()
     assert (s["trained"], s["dropped_stale"], s["pending"], s["queued"]) == (2, 0, 0, 1)
     assert [e.frame for e in buf.read("rank1", 10, 0)] == [b"2"]
@@ -310,7 +310,7 @@ def test_pending_gives_a_consumer_back_its_own_entries(buf: Buffer) -> None:
     assert buf.pending("rank1") == theirs
     assert buf.pending("rank7") == []
     assert [e.producer for e in mine] == ["gen-0", "gen-1"]
-    buf.ack([mine[0].entry_id], "trained")
+    buf.ack([mine[0]], "trained")
     assert buf.pending("rank0") == mine[1:]
 
 
@@ -319,9 +319,9 @@ def test_dead_letters_are_kept_and_counted(buf: Buffer) -> None:
     buf.push("a", b"\xc1garbage", producer="gen-3")
     buf.push("b", big, producer="gen-1")
     first, second = buf.read("rank0", 2, 0)
-    assert buf.dead_letter(first.entry_id, first.frame, "not msgpack", first.producer) is True
-    assert buf.dead_letter(first.entry_id, first.frame, "not msgpack", first.producer) is False, "counted once"
-    assert buf.dead_letter(second.entry_id, second.frame, "oversize", second.producer) is True
+    assert buf.dead_letter(first, "not msgpack") == "dead"
+    assert buf.dead_letter(first, "not msgpack") is None, "counted once"
+    assert buf.dead_letter(second, "oversize") == "dead"
     s = buf.stats()
     assert (s["dead"], s["pending"], s["queued"]) == (2, 0, 0)
     letters = buf.dead_letters()

@@ -161,15 +161,16 @@ class Observed(Buffer):
         self.model.on_pending(self.rank, consumer, ids, with_frames=False)
         return ids
 
-    def ack(self, entry_ids: list[str], outcome: str) -> int:
-        n = self.inner.ack(entry_ids, outcome)
-        self.model.on_ack(self.rank, entry_ids, outcome, n)
+    def ack(self, entries, outcome: str) -> int:
+        n = self.inner.ack(entries, outcome)
+        self.model.on_ack(self.rank, [e.entry_id for e in entries], outcome, n)
         return n
 
-    def dead_letter(self, entry_id: str, frame: bytes, reason: str, producer: str) -> bool:
-        ok = self.inner.dead_letter(entry_id, frame, reason, producer)
-        self.model.on_dead(self.rank, entry_id, frame, reason, producer, ok)
-        return ok
+    def dead_letter(self, entry, reason: str):
+        counter = self.inner.dead_letter(entry, reason)
+        assert counter in (None, "dead"), "the model pushes every entry through push()"
+        self.model.on_dead(self.rank, entry.entry_id, entry.frame, reason, entry.producer, counter is not None)
+        return counter
 
     def record_replays(self, n: int, token: str | None = None) -> None:
         self.inner.record_replays(n, token)
@@ -283,7 +284,7 @@ class BufferMachine(RuleBasedStateMachine):
     def _stats(self) -> dict[str, int]:
         """What :meth:`Buffer.stats` must say."""
         pending = sum(rec.state == "pending" for rec in self.recs)
-        return {**self.counts, "queued": len(self.queue), "pending": pending}
+        return {**self.counts, "queued": len(self.queue), "pending": pending, "foreign_in_buffer": 0}
 
     def _held_by(self, rank: int, *where: str) -> list[Rec]:
         return [r for r in self.recs if r.state == "pending" and r.rank == rank and r.held in where]
@@ -511,7 +512,7 @@ class BufferMachine(RuleBasedStateMachine):
             assert not self._held_by(r, "done"), "recover left trained entries unacknowledged"
 
     def _expect_recover(self, r: int) -> dict[str, int]:
-        counts = dict.fromkeys(("dead", "stale", "filtered", "trained", "replay", "fresh"), 0)
+        counts = dict.fromkeys(("foreign", "dead", "stale", "filtered", "trained", "replay", "fresh"), 0)
         for rec in self._held_by(r, *HELD):
             rec.uses = rec.committed
             if rec.uses == 0:

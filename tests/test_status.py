@@ -39,11 +39,11 @@ def fill(url: str, prefix: str) -> None:
         buf.record_replays(1)
         e0, e1, e2 = buf.read("rank0", 3, 0)
         e3, e4, e5 = buf.read("rank1", 3, 0)  # g6 stays queued
-        assert buf.ack([e0.entry_id], "trained") == 1
-        assert buf.ack([e3.entry_id], "stale") == 1
-        assert buf.dead_letter(e1.entry_id, e1.frame, "shape mismatch", e1.producer)
-        assert buf.dead_letter(e4.entry_id, e4.frame, "shape mismatch", e4.producer)
-        assert buf.dead_letter(e5.entry_id, e5.frame, "not finite", e5.producer)
+        assert buf.ack([e0], "trained") == 1
+        assert buf.ack([e3], "stale") == 1
+        assert buf.dead_letter(e1, "shape mismatch")
+        assert buf.dead_letter(e4, "shape mismatch")
+        assert buf.dead_letter(e5, "not finite")
         buf.set_version(NOW_VERSION)  # e2 stays pending on rank0
         control.heartbeat("generator", "0", version=6, pid=1111)
         control.heartbeat("generator", "1", version=5, pid=2222)

@@ -93,7 +93,7 @@ class Ours:
         while left:
             entries = self.buf.read("rank0", min(self.batch, left), block_ms=0)
             assert entries, f"{left} groups missing"
-            left -= self.buf.ack([e.entry_id for e in entries], "trained")
+            left -= self.buf.ack(entries, "trained")
 
     def close(self, n: int) -> None:
         stats = self.buf.stats()
