@@ -48,7 +48,7 @@ from asyncrl.weights import (
 )
 from asyncrl.weights.wire import snapshot, tensor_digest
 
-BUCKET_BYTES = 64 << 20  # WeightsConfig.bucket_mb's default
+BUCKET_BYTES = 64 << 20  # the default of weights.bucket_mb
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
