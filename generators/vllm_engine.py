@@ -47,9 +47,10 @@ class VllmEngine(Engine):
         model: ModelConfig,
         max_num_seqs: int,
         seed: int,
-        extension: str = f"{__name__}.WeightReloadExtension",
+        extension: type[WeightReloadExtension] = WeightReloadExtension,
     ):
-        """``extension``: import path of the worker extension (a ``WeightReloadExtension``)."""
+        """``extension`` is mixed into vLLM's worker; vLLM imports it by module and name, so it must be
+        a module-level class."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.kv_cache_gb))
         from vllm import LLM
@@ -63,7 +64,7 @@ class VllmEngine(Engine):
             max_num_seqs=max_num_seqs,
             # behaviour log-probs must be of the distribution actually sampled (temperature applied)
             logprobs_mode="processed_logprobs",
-            worker_extension_cls=extension,
+            worker_extension_cls=f"{extension.__module__}.{extension.__qualname__}",
             gpu_memory_utilization=0.3,
         )
         self._ids = itertools.count()

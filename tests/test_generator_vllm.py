@@ -70,8 +70,7 @@ class PlainParamsExtension(WeightReloadExtension):
 def engine(cfg):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     max_num_seqs = max(64, cfg.generator.groups_in_flight * cfg.generator.n_samples)
-    extension = f"{__name__}.{PlainParamsExtension.__qualname__}"
-    return VllmEngine(cfg.generator.engine, cfg.model, max_num_seqs, seed=0, extension=extension)
+    return VllmEngine(cfg.generator.engine, cfg.model, max_num_seqs, seed=0, extension=PlainParamsExtension)
 
 
 def make_generator(cfg, engine, control, subscriber, model_dir):
