@@ -12,18 +12,22 @@ Invariants shared by every estimator:
   (terminal: the value there is 0).
 * Outputs are constants (computed under ``no_grad``) and are exactly 0 off the response, whatever
   junk the padded slots of the inputs hold.
+* Every estimator computes in float64 and returns the input's dtype (``token_rewards``', else the
+  rewards' as a float): group and batch statistics of float32 rewards are not rounded to float32.
 * Group estimators (grpo, dr_grpo, rloo) score a sequence as S_i = R_i + sum_t token_rewards_{i,t}: a
   KL penalty in the reward is folded in at sequence level (RLOO's treatment) before the baseline.
 * Group statistics use the POPULATION std (defined for a group of one), and groups may be ragged
-  (a failed sample leaves its group smaller). A group whose rewards are all equal gets A = 0.
+  (a failed sample leaves its group smaller). A group whose scores are all equal gets A = 0 EXACTLY
+  (``group_stats``: its mean is its score, not a rounded sum / n).
 * Batch normalisation (REINFORCE++) is over every response token of the optimizer step. With several
   learner ranks, pass ``moments`` that all-reduces: the default only sees this rank's batch.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -155,25 +159,41 @@ def masked_moments(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Each sequence's group (mean, population std, size), for ragged groups. (B,), (B,) -> 3 x (B,)."""
+    """Each sequence's group (mean, population std, size), for ragged groups. (B,), (B,) -> 3 x (B,) float64.
+
+    A group whose scores are all equal has mean = that score and std = 0 exactly, so its members'
+    deviations R_i - mean_g are exactly 0 (a rounded sum / n need not give the score back).
+    """
+    scores = scores.to(torch.float64)
     _, inv = torch.unique(group_ids, return_inverse=True)
     zeros = scores.new_zeros(int(inv.max()) + 1 if inv.numel() else 0)
     size = zeros.index_add(0, inv, torch.ones_like(scores))
     mean = zeros.index_add(0, inv, scores) / size
+    hi = zeros.scatter_reduce(0, inv, scores, "amax", include_self=False)
+    lo = zeros.scatter_reduce(0, inv, scores, "amin", include_self=False)
+    mean = torch.where(hi == lo, hi, mean)
     var = zeros.index_add(0, inv, (scores - mean[inv]) ** 2) / size
     return mean[inv], var.sqrt()[inv], size[inv]
 
 
-def _float_rewards(inp: AdvantageInput) -> Tensor:
-    dtype = inp.token_rewards.dtype if inp.token_rewards is not None else torch.result_type(inp.rewards, 1.0)
-    return inp.rewards.to(dtype)
+def _in_float64(estimator):
+    """Run ``estimator`` on float64 inputs; its outputs come back in the input's dtype."""
+
+    @functools.wraps(estimator)
+    def run(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
+        dtype = inp.token_rewards.dtype if inp.token_rewards is not None else torch.result_type(inp.rewards, 1.0)
+        wide = {k: getattr(inp, k) for k in ("rewards", "token_rewards", "values")}
+        out = estimator(replace(inp, **{k: v if v is None else v.to(torch.float64) for k, v in wide.items()}), cfg)
+        return AdvantageOutput(out.advantages.to(dtype), None if out.returns is None else out.returns.to(dtype))
+
+    return run
 
 
 def _sequence_scores(inp: AdvantageInput) -> tuple[Tensor, Tensor]:
     """(score_i = R_i + sum_t token_rewards_{i,t}, group_ids): a sequence-level KL folds in here."""
     if inp.group_ids is None:
         raise ValueError("group estimators need group_ids (B,): which prompt each sample answers")
-    scores = _float_rewards(inp)
+    scores = inp.rewards
     if inp.token_rewards is not None:
         scores = scores + torch.where(inp.mask > 0, inp.token_rewards, 0.0).sum(dim=1)
     return scores, inp.group_ids
@@ -192,6 +212,7 @@ def _whiten(x: Tensor, inp: AdvantageInput, eps: float) -> Tensor:
 
 
 @torch.no_grad()
+@_in_float64
 def gae(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """GAE (Schulman et al. 2016) with a learned critic, as in PPO.
 
@@ -200,8 +221,8 @@ def gae(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """
     if inp.values is None:
         raise ValueError("gae needs values (B, T) from the critic")
-    r = token_level_rewards(_float_rewards(inp), inp.mask, inp.token_rewards)
-    values = inp.values.to(r.dtype)
+    r = token_level_rewards(inp.rewards, inp.mask, inp.token_rewards)
+    values = inp.values
     on = inp.mask > 0
     adv = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0])
@@ -216,6 +237,7 @@ def gae(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
 
 
 @torch.no_grad()
+@_in_float64
 def grpo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """GRPO (Shao et al. 2024): A_i = (R_i - mean_g R) / (std_g R + eps), on every token of i."""
     scores, groups = _sequence_scores(inp)
@@ -224,6 +246,7 @@ def grpo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
 
 
 @torch.no_grad()
+@_in_float64
 def dr_grpo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """Dr.GRPO (Liu et al. 2025): A_i = R_i - mean_g R. No std division (it up-weights easy/hard groups)."""
     scores, groups = _sequence_scores(inp)
@@ -232,34 +255,37 @@ def dr_grpo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
 
 
 @torch.no_grad()
+@_in_float64
 def rloo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """RLOO (Ahmadian et al. 2024): A_i = R_i - (1/(n-1)) sum_{j != i} R_j over the n samples of i's group.
 
-    Equals n/(n-1) (R_i - mean_g R). A group of one has no leave-one-out baseline: A = 0.
+    Computed as n/(n-1) (R_i - mean_g R) (the same, and exactly 0 for a flat group). A group of one has
+    no leave-one-out baseline: A = 0.
     """
     scores, groups = _sequence_scores(inp)
     mean, _, size = group_stats(scores, groups)
-    baseline = (size * mean - scores) / (size - 1).clamp(min=1)
-    return AdvantageOutput(advantages=_broadcast(torch.where(size > 1, scores - baseline, 0.0), inp.mask), returns=None)
+    adv = size / (size - 1).clamp(min=1) * (scores - mean)
+    return AdvantageOutput(advantages=_broadcast(torch.where(size > 1, adv, 0.0), inp.mask), returns=None)
 
 
 @torch.no_grad()
+@_in_float64
 def reinforce_pp(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """REINFORCE++ (Hu 2025): G_t = sum_k gamma^k r_{t+k} with any KL penalty folded into r;
     A_t = (G_t - mean_batch G) / (std_batch G + eps) over every response token of the step."""
-    r = token_level_rewards(_float_rewards(inp), inp.mask, inp.token_rewards)
+    r = token_level_rewards(inp.rewards, inp.mask, inp.token_rewards)
     returns = discounted_returns(r, inp.mask, cfg.gamma)
     return AdvantageOutput(advantages=_whiten(returns, inp, cfg.eps), returns=returns)
 
 
 @torch.no_grad()
+@_in_float64
 def reinforce_pp_baseline(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """REINFORCE++-baseline: R'_i = R_i - mean_g R (group-mean baseline), then REINFORCE++ on R':
     G'_t = sum_k gamma^k r'_{t+k},  A_t = (G'_t - mean_batch G') / (std_batch G' + eps)."""
     if inp.group_ids is None:
         raise ValueError("reinforce_pp_baseline needs group_ids (B,): which prompt each sample answers")
-    rewards = _float_rewards(inp)
-    centred = rewards - group_stats(rewards, inp.group_ids)[0]
+    centred = inp.rewards - group_stats(inp.rewards, inp.group_ids)[0]
     r = token_level_rewards(centred, inp.mask, inp.token_rewards)
     returns = discounted_returns(r, inp.mask, cfg.gamma)
     return AdvantageOutput(advantages=_whiten(returns, inp, cfg.eps), returns=returns)

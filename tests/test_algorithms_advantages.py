@@ -1,4 +1,7 @@
-"""Advantage estimators against slow references written loop by loop in the papers' notation (float64).
+"""Advantage estimators against slow references written loop by loop in the papers' notation.
+
+The estimators run in float64 and float32 (the learner's dtype); the references in float64 on the same
+(rounded) inputs. Estimators compute in float64 internally and return the input dtype.
 
 Notation: sequence i has outcome reward R_i, extra per-token rewards e_{i,t} (a folded KL penalty),
 critic values V_{i,t}; its steps k = 1..n_i are its response positions in order (padding skipped);
@@ -19,11 +22,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from algo_common import NAN, SETTINGS, TOL, close, floats
+from algo_common import DTYPES, NAN, SETTINGS, TOL, close, floats, rounded
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from legacy_grpo_tis import group_advantages
 
 from asyncrl.errors import UserError
 from asyncrl.learners.advantages import (
@@ -176,20 +178,26 @@ def advantage_batches(draw, with_token_rewards: bool | None = None):
     return {"rewards": rewards, "group_ids": ids, "mask": mask, "values": values, "token_rewards": token_rewards}, cfg
 
 
-def make_input(batch, **overrides) -> AdvantageInput:
+def make_input(batch, dtype: torch.dtype = torch.float64, **overrides) -> AdvantageInput:
     tr = batch["token_rewards"]
     fields = {
-        "rewards": torch.tensor(batch["rewards"], dtype=torch.float64),
-        "mask": torch.tensor(batch["mask"]),
+        "rewards": torch.tensor(batch["rewards"], dtype=dtype),
+        "mask": torch.tensor(batch["mask"], dtype=dtype),
         "group_ids": torch.tensor(batch["group_ids"]),
-        "token_rewards": None if tr is None else torch.tensor(tr),
-        "values": torch.tensor(batch["values"]),
+        "token_rewards": None if tr is None else torch.tensor(tr, dtype=dtype),
+        "values": torch.tensor(batch["values"], dtype=dtype),
     }
     fields.update(overrides)
     return AdvantageInput(**fields)
 
 
-def assert_rows(got: torch.Tensor, want: list[list[float]], mask) -> None:
+def rounded_batch(batch, dtype: torch.dtype) -> dict:
+    """The batch as a dtype learner holds it (for the float64 reference)."""
+    rewards = [float(r) for r in rounded(np.asarray(batch["rewards"]), dtype)]
+    return dict(batch, rewards=rewards, **{k: rounded(batch[k], dtype) for k in ("values", "token_rewards")})
+
+
+def assert_rows(got: torch.Tensor, want: list[list[float]], mask, dtype: torch.dtype = torch.float64) -> None:
     for i, row in enumerate(want):
         pos = steps(mask[i])
         assert len(pos) == len(row)
@@ -197,51 +205,61 @@ def assert_rows(got: torch.Tensor, want: list[list[float]], mask) -> None:
             if t not in pos:
                 assert float(got[i, t]) == 0.0, (i, t)  # exactly 0 off the response, despite NaN junk
         for k, value in enumerate(row):
-            assert close(float(got[i, pos[k]]), value), (i, pos[k], float(got[i, pos[k]]), value)
+            assert close(float(got[i, pos[k]]), value, dtype=dtype), (i, pos[k], float(got[i, pos[k]]), value)
 
 
 # ----------------------------------------------------------------------------- estimators vs references
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(ADVANTAGES))
 @SETTINGS
 @given(case=advantage_batches())
-def test_estimator_matches_loop(name, case):
+def test_estimator_matches_loop(name, dtype, case):
     batch, cfg = case
-    values = torch.tensor(batch["values"], requires_grad=True)
-    out = get_advantage(name)(make_input(batch, values=values), cfg)
-    want_adv, want_ret = REFERENCES[name](batch, cfg)
+    values = torch.tensor(batch["values"], dtype=dtype, requires_grad=True)
+    out = get_advantage(name)(make_input(batch, dtype, values=values), cfg)
+    want_adv, want_ret = REFERENCES[name](rounded_batch(batch, dtype), cfg)
     assert out.advantages.shape == batch["mask"].shape and not out.advantages.requires_grad
-    assert_rows(out.advantages, want_adv, batch["mask"])
+    assert out.advantages.dtype == dtype
+    assert_rows(out.advantages, want_adv, batch["mask"], dtype)
     assert (out.returns is None) == (want_ret is None)
     if want_ret is not None:
-        assert_rows(out.returns, want_ret, batch["mask"])
+        assert out.returns.dtype == dtype
+        assert_rows(out.returns, want_ret, batch["mask"], dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @SETTINGS
 @given(case=advantage_batches(with_token_rewards=False))
-def test_all_equal_groups_get_zero_advantage(case):
+def test_all_equal_groups_get_zero_advantage(dtype, case):
+    """Exactly 0, in every dtype: a flat group carries no signal, whatever its rewards' rounding."""
     batch, cfg = case
-    inp = make_input(batch)
+    inp = make_input(batch, dtype)
+    rewards = rounded_batch(batch, dtype)["rewards"]
     for name in ("grpo", "dr_grpo", "rloo"):
         adv = get_advantage(name)(inp, cfg).advantages
         for members in ref_groups(batch).values():
-            if len({batch["rewards"][j] for j in members}) == 1:
-                assert float(adv[members].abs().max()) < TOL, name
+            if len({rewards[j] for j in members}) == 1:
+                assert float(adv[members].abs().max()) == 0.0, name
     # every group flat -> the baseline variant carries no signal anywhere
-    flat = dict(batch, rewards=[float(g) for g in batch["group_ids"]])
-    adv = get_advantage("reinforce_pp_baseline")(make_input(flat), cfg).advantages
-    assert float(adv.abs().max()) < TOL
+    flat = dict(batch, rewards=[0.1 * g + 0.7 for g in batch["group_ids"]])
+    adv = get_advantage("reinforce_pp_baseline")(make_input(flat, dtype), cfg).advantages
+    assert float(adv.abs().max()) == 0.0
 
 
-def test_grpo_agrees_with_loss_module_on_rectangular_groups():
-    rewards = torch.tensor([[0.0, 1.0, 1.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.5, -1.0, 3.0, 0.0]], dtype=torch.float64)
-    mask = torch.ones(12, 3, dtype=torch.float64)
-    ids = torch.arange(3).repeat_interleave(4)
-    for name, normalize_std in (("grpo", True), ("dr_grpo", False)):
-        out = get_advantage(name)(AdvantageInput(rewards.reshape(-1), mask, group_ids=ids), AdvantageConfig(eps=1e-6))
-        want = group_advantages(rewards, normalize_std=normalize_std, eps=1e-6).reshape(-1, 1).expand(12, 3)
-        assert torch.allclose(out.advantages, want, rtol=0, atol=1e-12)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("reward", "n"), [(0.7, 8), (2.2, 16), (0.1, 3), (-1.3, 5)])
+def test_fractional_all_equal_group_in_float32(reward, n, dtype):
+    """The demo's fractional rewards: one flat group (float32 group statistics once gave 0.056 / 0.19)."""
+    rewards, mask = torch.full((n,), reward, dtype=dtype), torch.ones(n, 3, dtype=dtype)
+    inp = AdvantageInput(rewards, mask, group_ids=torch.zeros(n, dtype=torch.long))
+    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
+        adv = get_advantage(name)(inp, AdvantageConfig()).advantages
+        assert adv.dtype == dtype and adv.abs().max().item() == 0.0, (name, adv.abs().max().item())
+    # one flat batch: REINFORCE++'s batch moments see no spread either (float64 moments)
+    adv = get_advantage("reinforce_pp")(inp, AdvantageConfig()).advantages
+    assert adv.dtype == dtype and adv.abs().max().item() < 1e-9, adv.abs().max().item()
 
 
 def test_rloo_examples():
