@@ -1,9 +1,14 @@
 """Policy losses, loss aggregation and the PPO critic loss, as pure functions over typed inputs.
 
 Notation (sequence i, response token t): pi = pi_theta(a_t | s_t) (carries gradient); pi_old = the
-ratio's anchor (the behaviour policy mu, or the proximal policy under decoupled PPO: see
-``corrections.py``); r_t = pi / pi_old; A_{i,t} the advantage; w_{i,t} a DETACHED per-token weight from
-an off-policy correction (IS weight; 0 for a rejected token); m_{i,t} the response mask.
+ratio's anchor (pi_prox, the policy at the start of the optimizer step, whenever a correction weights
+the loss; the behaviour policy mu under correction ``none``: see ``corrections.py``); r_t = pi / pi_old;
+A_{i,t} the advantage; w_{i,t} a DETACHED per-token weight from an off-policy correction (IS weight of
+pi_old against mu; 0 for a rejected token); m_{i,t} the response mask.
+
+Padding: every (B, T) input is replaced by 0 off the response BEFORE any arithmetic, so junk there
+(nan, inf) reaches neither a value nor a gradient. At a kink (a clip edge, a tie of the max) the
+gradient is one of the one-sided ones (``torch.where``, never the split of ``torch.maximum``).
 
 A policy loss returns the UNAGGREGATED per-token loss l_{i,t} (weights applied, 0 off the response);
 an aggregation from ``AGGREGATIONS`` turns it into the scalar to backpropagate:
@@ -119,16 +124,31 @@ class LossCounts:
 
 # ----------------------------------------------------------------------------- policy losses
 
+# log r is clamped to [-20, 20] before exp. float32 exp overflows past 88.7, and exp's backward
+# multiplies by exp(x): inf there gives 0 * inf = NaN even on a clipped branch (or with A = 0, w = 0).
+# e^20 ~ 4.9e8 keeps r * A * w and its sums finite in float32 with room to spare, and is far past any
+# ratio a clip keeps (1 +- 0.2; GSPO 1 +- 4e-4): beyond it J is flat for A > 0 (clipped anyway) and, for
+# A < 0, capped at e^20 |A| with no gradient (a dual clip at c = e^20), where the true r A is garbage.
+_LOG_RATIO_CLAMP = 20.0
 
-def _prepare(inp: PolicyLossInput) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(on, log r with padding forced to 0, A as (B, T), w): junk in padded slots cannot leak in."""
-    lp = inp.logprobs
+
+def _prepare(inp: PolicyLossInput) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(on, log pi, log r, A as (B, T), w), each 0 off the response: junk in padded slots cannot leak in.
+
+    log pi is masked before any arithmetic: torch.where's backward gives a padded slot exactly 0, and
+    nothing downstream multiplies a gradient by its junk. log r is NOT clamped here (see ``_exp``).
+    """
     on = inp.mask > 0
+    lp = torch.where(on, inp.logprobs, 0.0)
     adv = inp.advantages.to(lp.dtype)
     adv = torch.where(on, adv[:, None] if adv.dim() == 1 else adv, 0.0)
-    log_ratio = torch.where(on, lp - inp.old_logprobs.to(lp.dtype), 0.0)  # where's backward gives 0, not NaN
+    log_ratio = lp - torch.where(on, inp.old_logprobs.to(lp.dtype), 0.0)
     w = on.to(lp.dtype) if inp.weights is None else torch.where(on, inp.weights.to(lp.dtype), 0.0)
-    return on, log_ratio, adv, w
+    return on, lp, log_ratio, adv, w
+
+
+def _clamp(log_ratio: Tensor) -> Tensor:
+    return log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
 
 
 def _clipped_surrogate(ratio: Tensor, adv: Tensor, cfg: PolicyLossConfig) -> tuple[Tensor, Tensor, Tensor]:
@@ -138,8 +158,8 @@ def _clipped_surrogate(ratio: Tensor, adv: Tensor, cfg: PolicyLossConfig) -> tup
     """
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    loss = torch.maximum(unclipped, clipped)
     clipped_branch = clipped > unclipped
+    loss = torch.where(clipped_branch, clipped, unclipped)  # max(unclipped, clipped); a tie takes unclipped
     dual = torch.zeros_like(clipped_branch)
     if cfg.dual_clip is not None:
         bound = -cfg.dual_clip * adv
@@ -171,8 +191,10 @@ def ppo_clip_loss(inp: PolicyLossInput, cfg: PolicyLossConfig) -> PolicyLossOutp
 
     l_t = w_t * max(-r_t A_t, -clip(r_t, 1 - eps_low, 1 + eps_high) A_t),   r_t = pi / pi_old;
     dual clip (A_t < 0): l_t = w_t * min(that, -c A_t). dl/dlog pi = -w r A on the unclipped branch, else 0.
+    log r is clamped to +-20 before exp (``_LOG_RATIO_CLAMP``).
     """
-    on, log_ratio, adv, w = _prepare(inp)
+    on, _, log_ratio, adv, w = _prepare(inp)
+    log_ratio = _clamp(log_ratio)
     ratio = torch.exp(log_ratio)
     loss, clip, dual = _clipped_surrogate(ratio, adv, cfg)
     return _output(torch.where(on, w * loss, 0.0), inp, ratio, log_ratio, clip, dual)
@@ -186,14 +208,14 @@ def gspo_loss(inp: PolicyLossInput, cfg: PolicyLossConfig) -> PolicyLossOutput:
     l_{i,t} = w_t * max(-s_{i,t} A_{i,t}, -clip(s_{i,t}, 1 - eps_low, 1 + eps_high) A_{i,t}).
     With A_{i,t} = A_i, w = 1 and ``seq-mean-token-mean`` this IS the sequence-level GSPO objective,
     value and gradient: a sequence is clipped as a whole. Its eps are ~1e-3, not PPO's 0.2.
+    The sequence's mean log r is clamped to +-20 before exp (``_LOG_RATIO_CLAMP``).
     """
-    on, log_ratio, adv, w = _prepare(inp)
+    on, lp, log_ratio, adv, w = _prepare(inp)
     lengths = on.sum(dim=1, keepdim=True).clamp(min=1)
-    seq_log_ratio = log_ratio.detach().sum(dim=1, keepdim=True) / lengths
-    lp = inp.logprobs
+    seq_log_ratio = _clamp(log_ratio.detach().sum(dim=1, keepdim=True) / lengths)
     ratio = torch.where(on, torch.exp(seq_log_ratio + lp - lp.detach()), 1.0)
     loss, clip, dual = _clipped_surrogate(ratio, adv, cfg)
-    return _output(torch.where(on, w * loss, 0.0), inp, ratio, log_ratio, clip, dual)
+    return _output(torch.where(on, w * loss, 0.0), inp, ratio, _clamp(log_ratio), clip, dual)
 
 
 def policy_gradient_loss(inp: PolicyLossInput, cfg: PolicyLossConfig) -> PolicyLossOutput:
@@ -202,10 +224,10 @@ def policy_gradient_loss(inp: PolicyLossInput, cfg: PolicyLossConfig) -> PolicyL
     Value -w A, gradient -w A grad log pi; pi_old and the clip settings are unused (off-policy
     correction comes only from w).
     """
-    on, log_ratio, adv, w = _prepare(inp)
-    lp = inp.logprobs
+    on, lp, log_ratio, adv, w = _prepare(inp)
     token_loss = torch.where(on, -w * adv * torch.exp(lp - lp.detach()), 0.0)
     none = torch.zeros_like(on)
+    log_ratio = _clamp(log_ratio)  # the ratio is only reported
     return _output(token_loss, inp, torch.exp(log_ratio), log_ratio, none, none)
 
 
@@ -253,24 +275,30 @@ class ValueLossInput:
 @dataclass
 class ValueLossOutput:
     token_loss: Tensor  # (B, T) 0.5 * max((V - R)^2, (V_clip - R)^2), 0 off the response
-    clip_frac: float  # fraction of response tokens where the clipped term is the larger one (no gradient)
+    clip_frac: float  # fraction of response tokens where the clip binds and its term is the larger (no gradient)
     value_error: float  # mean (V - R)^2 over response tokens
 
 
 def value_loss(inp: ValueLossInput, clip: float | None) -> ValueLossOutput:
     """PPO critic loss with value clipping: V_clip = V_old + clip(V - V_old, -eps_v, eps_v),
-    l_t = 0.5 * max((V_t - R_t)^2, (V_clip,t - R_t)^2); ``clip=None`` gives 0.5 (V - R)^2."""
+    l_t = 0.5 * max((V_t - R_t)^2, (V_clip,t - R_t)^2); ``clip=None`` gives 0.5 (V - R)^2.
+
+    The clipped term is taken only where the clip binds (|V - V_old| > eps_v) and is the larger; there
+    V_clip does not depend on V: no gradient. Padded slots of every input are 0 before any arithmetic.
+    """
     on = inp.mask > 0
-    values = inp.values
+    values = torch.where(on, inp.values, 0.0)
     returns = torch.where(on, inp.returns.to(values.dtype), 0.0)
     unclipped = (values - returns) ** 2
     if clip is None:
         loss, clipped = unclipped, torch.zeros_like(on)
     else:
         old = torch.where(on, inp.old_values.to(values.dtype), 0.0)
-        v_clip = old + torch.clamp(values - old, -_positive(clip, "value clip"), clip)
+        step = values - old
+        v_clip = old + torch.clamp(step, -_positive(clip, "value clip"), clip)
         clipped_sq = (v_clip - returns) ** 2
-        loss, clipped = torch.maximum(unclipped, clipped_sq), clipped_sq > unclipped
+        clipped = (step.abs() > clip) & (clipped_sq > unclipped)
+        loss = torch.where(clipped, clipped_sq, unclipped)
     token_loss = torch.where(on, 0.5 * loss, 0.0)
     mask = inp.mask.to(values.dtype)
     n = float(mask.sum())

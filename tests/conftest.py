@@ -1,7 +1,12 @@
-"""Shared fixtures: a real ``redis-server`` for tests marked ``redis``.
+"""Shared fixtures: a real ``redis-server`` for tests marked ``redis``; the hypothesis profile.
 
 A missing binary skips those tests on a laptop but FAILS them under CI (``CI=true``): CI must
 never pass by skipping the service it is meant to test. Servers are stopped by pid, never by name.
+
+Hypothesis: under CI the ``ci`` profile draws derandomized examples (a fixed seed derived from each
+test) so a failure recurs on every run and on a laptop (``HYPOTHESIS_PROFILE=ci``), and prints the
+``@reproduce_failure`` blob; elsewhere ``dev`` draws fresh examples each run (``--hypothesis-seed=N``
+fixes them) and prints the blob too. The report header names the profile and the seed.
 """
 
 from __future__ import annotations
@@ -11,12 +16,30 @@ import shutil
 from collections.abc import Callable, Iterator
 
 import pytest
+from hypothesis import settings
 
 from asyncrl.redis_server import REDIS_BINARY, RedisServer, start_redis_server
 
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if in_ci() else "dev")
+settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if settings.default.derandomize:
+        seed = "derandomized (fixed, derived from each test's name and body)"
+    else:
+        chosen = config.getoption("hypothesis_seed", None)
+        seed = (
+            f"{chosen} (--hypothesis-seed)" if chosen is not None else "random per run (--hypothesis-seed=N fixes it)"
+        )
+    return f"hypothesis: profile {HYPOTHESIS_PROFILE!r}, seed {seed}, print_blob {settings.default.print_blob}"
 
 
 def require_redis_binary() -> None:
