@@ -9,11 +9,18 @@ compares mu with a TARGET policy and returns, per token:
 * ``old_logprobs``: the anchor of a PPO-style ratio (``PolicyLossInput.old_logprobs``).
 
 Target and anchor. Without ``prox_logprobs`` the target is the learner's current pi_theta (its value
-only) and the anchor is mu: rho_t = pi_t / mu_t. With ``prox_logprobs`` (the proximal policy pi_prox,
-log-probs recomputed with the weights at the START of the optimizer step) the target is pi_prox and the
-anchor is pi_prox: the loss clips pi / pi_prox, and w corrects pi_prox vs mu (decoupled PPO, Hilton
-et al. 2022). When each batch gets a single optimizer step, pi_prox = sg(pi_theta) exactly: the learner
-can pass ``logprobs.detach()`` instead of a second forward pass.
+only) and the anchor is mu: rho_t = pi_t / mu_t. That is the importance weight of an unclipped policy
+gradient (``policy_gradient``: w(pi / mu) A grad log pi), and, with ``none``, plain PPO on behaviour data.
+With ``prox_logprobs`` (the proximal policy pi_prox, log-probs at the START of the optimizer step) the
+target and the anchor are pi_prox: w corrects pi_prox against mu and the loss clips r = pi / pi_prox,
+
+    l_t = -w_t(pi_prox / mu) * min(r_t A_t, clip(r_t) A_t)
+
+(Truncated IS and IcePop with pi_old = pi_prox; decoupled PPO, Hilton et al. 2022). A ratio loss
+(``ppo_clip``, ``gspo``) under any correction but ``none`` always gets pi_prox
+(``presets.Preset.required_inputs``): weighting by pi / mu AND clipping pi / mu would apply the weight
+twice. When a batch gets a single optimizer step, pi_prox = sg(pi_theta) exactly: the learner passes
+``logprobs.detach()`` instead of a second forward pass (r = 1, the loss is -w A grad log pi).
 
 Metrics, over this batch's response tokens: ``clip_frac`` (tokens whose weight was truncated or that
 were rejected; for sequence-level corrections, the tokens of affected sequences), ``ratio_mean`` /
@@ -93,8 +100,10 @@ class CorrectionConfig:
         for name in ("tis_cap", "seq_tis_cap", "icepop_high", "geo_high", "rho_bar", "c_bar"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not (0 <= self.icepop_low <= self.icepop_high and 0 <= self.geo_low <= self.geo_high):
-            raise ValueError("need 0 <= low <= high for icepop and geo_mask bands")
+        for band in ("icepop", "geo"):
+            low, high = getattr(self, f"{band}_low"), getattr(self, f"{band}_high")
+            if not 0 <= low <= high:
+                raise ValueError(f"need 0 <= {band}_low <= {band}_high, got {band}_low={low}, {band}_high={high}")
         if not 0 <= self.gamma <= 1:
             raise ValueError(f"gamma must lie in [0, 1], got {self.gamma}")
 

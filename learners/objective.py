@@ -7,13 +7,16 @@ share (whole groups: group statistics never cross ranks), in order:
 
   prepare_batch (whole batch, once)
   2. KL reward   kl_placement = reward: token_rewards = -beta k(pi_prox, pi_ref), detached
-  3. advantages  the preset's estimator (GAE on V_old); batch moments (REINFORCE++) all-reduced over ranks
+  3. advantages  the preset's estimator, in float64 (GAE on V_old); batch moments (REINFORCE++)
+                 all-reduced over ranks
   minibatch_loss (each optimizer step's rows)
   1. counts      N_tok, N_seq of THESE rows summed over ranks -> ``LossCounts`` divided by the rank
                  count, because DeepSpeed AVERAGES gradients over ranks: the applied gradient is the
                  mini-batch's over all ranks
-  4. correction  weights w and the ratio's anchor from mu (behaviour), pi and pi_prox; V-trace's own
-                 advantages and value targets replace those of step 3 when it supplies them
+  4. correction  weights w and the ratio's anchor from mu (behaviour), pi and pi_prox: a ratio loss
+                 under a correction gets w(pi_prox / mu) and the anchor pi_prox (``required_inputs``),
+                 so the weight is applied once; V-trace's own advantages and value targets replace
+                 those of step 3 when it supplies them
   5. policy loss + KL loss (kl_placement = loss, weighted by w), aggregated by the preset's rule
   6. value loss  the critic's (value clipping around V_old), same aggregation
   7. metrics     token-weighted sums (and maxima) over ranks: the numbers describe the whole step
@@ -69,6 +72,10 @@ class Reducer:
 
     def max(self, values: list[float]) -> list[float]:
         return list(values)
+
+    def sum_dict(self, values: dict[str, float]) -> dict[str, float]:
+        """The sum over ranks of each named value (one reduction; every rank passes the same names)."""
+        return dict(zip(values, self.sum(list(values.values())), strict=True))
 
 
 class DistReducer(Reducer):

@@ -34,6 +34,11 @@ _ADVANTAGE_NEEDS = {
 }
 _CORRECTION_NEEDS = {"decoupled_ppo": {"prox_logprobs"}, "vtrace": {"values"}}
 _AGGREGATION_NEEDS = {"seq-mean-token-sum": {"max_len"}}
+# A ratio loss (a trust region r = pi / anchor) under any correction but "none" gets pi_prox as the
+# correction's target AND the ratio's anchor: w(pi_prox / mu) * min(r A, clip(r) A), r = pi / pi_prox
+# (Truncated IS, IcePop, decoupled PPO). Anchoring on mu as well would apply the weight twice. With
+# "none" it stays plain PPO on behaviour data (anchor mu, w = 1); policy_gradient weights by pi / mu.
+_RATIO_LOSS_NEEDS = {"ppo_clip": {"prox_logprobs"}, "gspo": {"prox_logprobs"}}
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,8 @@ class Preset:
         """Inputs the learner must provide beyond logprobs, behaviour_logprobs, mask, rewards, counts."""
         needs = set(_ADVANTAGE_NEEDS.get(self.advantage, ()))
         needs |= _CORRECTION_NEEDS.get(self.correction, set())
+        if self.correction != "none":
+            needs |= _RATIO_LOSS_NEEDS.get(self.policy_loss, set())
         needs |= _AGGREGATION_NEEDS.get(self.aggregation, set())
         if self.uses_kl:
             needs.add("ref_logprobs")

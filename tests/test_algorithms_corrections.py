@@ -1,4 +1,7 @@
-"""Off-policy corrections and presets against slow references written in the papers' notation (float64).
+"""Off-policy corrections and presets against slow references written in the papers' notation.
+
+The corrections run in float64 and float32 (the learner's dtype), the references in float64 on the same
+rounded inputs; a token within rounding of a threshold may fall on either side (``algo_common.near``).
 
 Notation: token t of sequence i has log mu_{i,t} (behaviour, recorded by the generator), log pi (learner)
 and optionally log pi_prox (proximal, step start); the target is pi_prox when given, else pi;
@@ -12,6 +15,13 @@ rho_t = target_t / mu_t; steps s = 0..n-1 are the response positions of a sequen
                           delta_t = rho'_t (r_t + gamma V_{t+1} - V_t),  V_n = v_n = bootstrap,
                           pg_s = rho'_s (r_s + gamma v_{s+1} - V_s),
                           rho'_t = min(rho_bar, rho_t),  c_k = min(c_bar, rho_k)
+
+Composed with a ratio loss (ppo_clip, gspo; Truncated IS, IcePop): with r_t = pi_t / pi_prox,t and the
+weight taken at pi_prox (target = anchor = pi_prox, the policy at the start of the optimizer step),
+
+    l_t = -w_t(pi_prox / mu) * min(r_t A_t, clip(r_t, 1 - eps_lo, 1 + eps_hi) A_t)
+
+so the behaviour mismatch is corrected once, by w; the clip bounds the step from pi_prox.
 """
 
 from __future__ import annotations
@@ -22,16 +32,17 @@ import math
 import numpy as np
 import pytest
 import torch
-from algo_common import NAN, SETTINGS, TOL, close, floats
-from hypothesis import given
+from algo_common import DTYPES, NAN, SETTINGS, TOL, close, floats, near, rounded
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from legacy_grpo_tis import PolicyBatch, grpo_tis_loss
+from test_algorithms_losses import ref_clipped_objective
 
 from asyncrl.errors import UserError
 from asyncrl.learners.advantages import AdvantageConfig, AdvantageInput, get_advantage
 from asyncrl.learners.corrections import CORRECTIONS, CorrectionConfig, CorrectionInput, get_correction
 from asyncrl.learners.kl import KLInput, kl_loss, kl_reward
+from asyncrl.learners.objective import Reducer, StepBatch, minibatch_loss, prepare_batch, step_loss
 from asyncrl.learners.policy_losses import (
     LossCounts,
     PolicyLossConfig,
@@ -49,10 +60,20 @@ torch.set_num_threads(1)
 # ----------------------------------------------------------------------------- slow references
 
 
-def ref_weighting(name, b, cfg):
-    """(weights {(i, t): w}, affected {(i, t)}, ratios tested, anchor {(i, t): log-prob}) by loops."""
-    weights, affected, ratios, anchor = {}, set(), [], {}
+def ref_weighting(name, b, cfg, dtype=torch.float64):
+    """(weights {(i, t): {w}}, affected {(i, t): {bool}}, ratios tested, anchor {(i, t): log-prob}) by loops.
+
+    A token within rounding of a threshold lists both sides' weight and flag.
+    """
+    weights, affected, ratios, anchor = {}, {}, [], {}
     target = b["prox"] if b["prox"] is not None else b["logp"]
+
+    def band(x, lo, hi, keep, reject):  # keep inside [lo, hi]; either side within rounding of an edge
+        if near(x, lo, dtype) or near(x, hi, dtype):
+            return {keep, reject}, {False, True}
+        inside = lo <= x <= hi
+        return {keep if inside else reject}, {not inside}
+
     for i, row in enumerate(b["mask"]):
         pos = [t for t, m in enumerate(row) if m > 0]
         rho = {t: math.exp(target[i][t] - b["mu"][i][t]) for t in pos}
@@ -65,19 +86,18 @@ def ref_weighting(name, b, cfg):
         for t in pos:
             anchor[i, t] = target[i][t] if b["prox"] is not None else b["mu"][i][t]
             if name in ("tis", "decoupled_ppo"):
-                weights[i, t], hit = min(rho[t], cfg.tis_cap), rho[t] > cfg.tis_cap
+                weights[i, t], hit = {min(rho[t], cfg.tis_cap)}, {rho[t] > cfg.tis_cap}
+                hit = {False, True} if near(rho[t], cfg.tis_cap, dtype) else hit
             elif name == "seq_tis":
-                weights[i, t], hit = min(prod, cfg.seq_tis_cap), prod > cfg.seq_tis_cap
+                weights[i, t], hit = {min(prod, cfg.seq_tis_cap)}, {prod > cfg.seq_tis_cap}
+                hit = {False, True} if near(prod, cfg.seq_tis_cap, dtype) else hit
             elif name == "icepop":
-                keep = cfg.icepop_low <= rho[t] <= cfg.icepop_high
-                weights[i, t], hit = (rho[t] if keep else 0.0), not keep
+                weights[i, t], hit = band(rho[t], cfg.icepop_low, cfg.icepop_high, rho[t], 0.0)
             elif name == "geo_mask":
-                keep = cfg.geo_low <= geo <= cfg.geo_high
-                weights[i, t], hit = (1.0 if keep else 0.0), not keep
+                weights[i, t], hit = band(geo, cfg.geo_low, cfg.geo_high, 1.0, 0.0)
             else:  # none
-                weights[i, t], hit = 1.0, False
-            if hit:
-                affected.add((i, t))
+                weights[i, t], hit = {1.0}, {False}
+            affected[i, t] = hit
             if name not in ("seq_tis", "geo_mask"):
                 ratios.append(rho[t])
     return weights, affected, ratios, anchor
@@ -149,20 +169,21 @@ def behaviour_batches(draw, min_b: int = 1):
     }, cfg
 
 
-def make_input(b) -> CorrectionInput:
+def make_input(b, dtype=torch.float64) -> CorrectionInput:
     return CorrectionInput(
-        logprobs=torch.tensor(b["logp"], requires_grad=True),
-        behaviour_logprobs=torch.tensor(b["mu"]),
-        mask=torch.tensor(b["mask"]),
-        prox_logprobs=None if b["prox"] is None else torch.tensor(b["prox"]),
-        rewards=torch.tensor(b["rewards"]),
-        values=torch.tensor(b["values"]),
-        bootstrap_value=torch.tensor(b["bootstrap"]),
+        logprobs=torch.tensor(b["logp"], dtype=dtype, requires_grad=True),
+        behaviour_logprobs=torch.tensor(b["mu"], dtype=dtype),
+        mask=torch.tensor(b["mask"], dtype=dtype),
+        prox_logprobs=None if b["prox"] is None else torch.tensor(b["prox"], dtype=dtype),
+        rewards=torch.tensor(b["rewards"], dtype=dtype),
+        values=torch.tensor(b["values"], dtype=dtype),
+        bootstrap_value=torch.tensor(b["bootstrap"], dtype=dtype),
     )
 
 
-def as_lists(b):
-    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in b.items()}
+def as_lists(b, dtype=torch.float64):
+    """The batch as the reference sees it: nested lists of the values a dtype learner holds."""
+    return {k: (rounded(v, dtype).tolist() if isinstance(v, np.ndarray) else v) for k, v in b.items()}
 
 
 def ref_behaviour_kl(b) -> float:
@@ -179,29 +200,32 @@ def ref_behaviour_kl(b) -> float:
 # ----------------------------------------------------------------------------- corrections vs references
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(set(CORRECTIONS) - {"vtrace"}))
 @SETTINGS
 @given(case=behaviour_batches())
-def test_weighting_correction_matches_loop(name, case):
+def test_weighting_correction_matches_loop(name, dtype, case):
     b, cfg = case
     if name == "decoupled_ppo" and b["prox"] is None:
         b = dict(b, prox=b["logp"])  # decoupled PPO always has a proximal policy
-    out = get_correction(name)(make_input(b), cfg)
-    lists = as_lists(b)
-    weights, affected, ratios, anchor = ref_weighting(name, lists, cfg)
-    assert not out.weights.requires_grad
+    out = get_correction(name)(make_input(b, dtype), cfg)
+    lists = as_lists(b, dtype)
+    weights, affected, ratios, anchor = ref_weighting(name, lists, cfg, dtype)
+    assert not out.weights.requires_grad and out.weights.dtype == out.old_logprobs.dtype == dtype
     for i, row in enumerate(lists["mask"]):
         for t in range(len(row)):
             if (i, t) in weights:
-                assert close(float(out.weights[i, t]), weights[i, t]), (i, t, float(out.weights[i, t]))
-                assert close(float(out.old_logprobs[i, t]), anchor[i, t])
+                got = float(out.weights[i, t])
+                assert any(close(got, w, dtype=dtype) for w in weights[i, t]), (i, t, got, weights[i, t])
+                assert close(float(out.old_logprobs[i, t]), anchor[i, t], dtype=dtype)
             else:
                 assert float(out.weights[i, t]) == 0.0 and float(out.old_logprobs[i, t]) == 0.0
     n = len(weights)
-    assert close(out.clip_frac, len(affected) / n if n else 0.0)
-    assert close(out.ratio_mean, sum(ratios) / len(ratios) if ratios else 0.0)
-    assert close(out.ratio_max, max(ratios) if ratios else 0.0)
-    assert close(out.behaviour_kl, ref_behaviour_kl(lists))
+    lo, hi = (sum(f(hit) for hit in affected.values()) / n if n else 0.0 for f in (min, max))
+    assert close(out.clip_frac, lo, dtype=dtype) or close(out.clip_frac, hi, dtype=dtype) or lo <= out.clip_frac <= hi
+    assert close(out.ratio_mean, sum(ratios) / len(ratios) if ratios else 0.0, dtype=dtype)
+    assert close(out.ratio_max, max(ratios) if ratios else 0.0, dtype=dtype)
+    assert close(out.behaviour_kl, ref_behaviour_kl(lists), dtype=dtype)
 
 
 @SETTINGS
@@ -243,29 +267,135 @@ def test_vtrace_on_policy_is_the_monte_carlo_return_and_gae_lambda_one(case, gam
     assert out.clip_frac == 0.0 and abs(out.behaviour_kl) < 1e-12
 
 
+RATIO_LOSSES = ("ppo_clip", "gspo")
+WEIGHTING = sorted(set(CORRECTIONS) - {"none", "vtrace"})
+
+
+def ref_composed_loss(loss_name, correction, b, adv, cfg, loss_cfg):
+    """Per token (i, t): (l_t, {dl_t / dlog pi_t}) of the paper's composition, r = pi / pi_prox,
+    w = w(pi_prox / mu); ``adv`` (B, T) as nested lists."""
+    weights, _, _, _ = ref_weighting(correction, b, cfg)
+    out = {}
+    for i, row in enumerate(b["mask"]):
+        pos = [t for t, m in enumerate(row) if m > 0]
+        log_r = {t: b["logp"][i][t] - b["prox"][i][t] for t in pos}
+        s_i = math.exp(sum(log_r.values()) / len(pos)) if pos else 1.0
+        for t in pos:
+            (w,) = weights[i, t]  # off the thresholds: one weight (assumed by the caller)
+            if loss_name == "policy_gradient":
+                out[i, t] = (-w * adv[i][t], {-w * adv[i][t]})
+                continue
+            ratio = s_i if loss_name == "gspo" else math.exp(log_r[t])
+            j, dj, _, _ = ref_clipped_objective(ratio, adv[i][t], loss_cfg.clip_low, loss_cfg.clip_high, None)
+            out[i, t] = (-w * j, {-w * g for g in dj})
+    return out
+
+
+@pytest.mark.parametrize("loss_name", RATIO_LOSSES)
+@pytest.mark.parametrize("correction", WEIGHTING)
+@SETTINGS
+@given(case=behaviour_batches(min_b=2), data=st.data())
+def test_a_ratio_loss_clips_pi_over_prox_and_weights_prox_over_mu_once(correction, loss_name, case, data):
+    """A mini-batch step of the learner (objective.prepare_batch + minibatch_loss, pi_prox the policy at
+    the step's start) with a weighting correction under a ratio loss is the papers' composition
+    w(pi_prox / mu) * min(r A, clip(r) A), r = pi / pi_prox (never w(pi / mu) with r = pi / mu)."""
+    b, cfg = case
+    mask = b["mask"]
+    assume(mask.sum() > 0)
+    b = dict(b, prox=b["prox"] if b["prox"] is not None else np.where(mask > 0, b["logp"], NAN))
+    weights, _, _, _ = ref_weighting(correction, as_lists(b), cfg)
+    assume(all(len(w) == 1 for w in weights.values()))  # off the rejection thresholds
+    rewards = data.draw(hnp.arrays(np.float64, (len(mask),), elements=floats(-1, 1)))
+    loss_cfg = PolicyLossConfig(clip_low=0.2, clip_high=0.28)
+    preset = dataclasses.replace(
+        PRESETS["grpo"],
+        policy_loss=loss_name,
+        correction=correction,
+        kl_coef=0.0,
+        aggregation="token-mean",
+        correction_config=cfg,
+        loss_config=loss_cfg,
+    )
+    batch = StepBatch(torch.tensor(rewards), torch.arange(len(mask)) // 2, torch.tensor(mask), torch.tensor(b["mu"]))
+    lp = torch.tensor(b["logp"], requires_grad=True)
+    inputs = prepare_batch(preset, batch, torch.tensor(b["prox"]), Reducer())
+    out = minibatch_loss(preset, batch, inputs, lp, Reducer(), ranks=1, max_len=float(mask.shape[1]))
+    out.policy_loss.backward()
+
+    n_tok = float(mask.sum())
+    want = ref_composed_loss(loss_name, correction, as_lists(b), inputs.advantages.tolist(), cfg, loss_cfg)
+    assert close(out.policy_loss.item(), sum(v[0] for v in want.values()) / n_tok)
+    for (i, t), (_, grads) in want.items():
+        got = float(lp.grad[i, t])
+        assert any(close(got, g / n_tok) for g in grads), (i, t, got, [g / n_tok for g in grads])
+
+
+@pytest.mark.parametrize("loss_name", RATIO_LOSSES)
+@pytest.mark.parametrize(("pi", "want_loss", "want_grad"), [(0.55, -0.05, -0.55), (0.75, -0.25, -0.75)])
+def test_grpo_with_token_tis_applies_the_weight_once(loss_name, pi, want_loss, want_grad):
+    """The issue's example: two one-token rows of one group, R = [1, 0] (A = [1, -1]), mu = 0.5; row 0 has
+    pi = 0.55 (rho 1.1) or 0.75 (rho 1.5), row 1 is on-policy. One optimizer step (pi_prox = pi, r = 1):
+    l_0 = -min(rho, C) A. Weighting by pi / mu AND anchoring the ratio on mu once gave -0.105 and -0.605
+    (rho 1.1), and a zero gradient at rho 1.5 (the ratio clipped around mu)."""
+    preset = dataclasses.replace(PRESETS["grpo" if loss_name == "ppo_clip" else "gspo"], correction="tis", kl_coef=0.0)
+    lp = torch.log(torch.tensor([[pi], [0.5]], dtype=torch.float64)).requires_grad_()
+    mu = torch.log(torch.full((2, 1), 0.5, dtype=torch.float64))
+    batch = StepBatch(
+        torch.tensor([1.0, 0.0], dtype=torch.float64), torch.zeros(2, dtype=torch.long), torch.ones(2, 1), mu
+    )
+    out = step_loss(preset, batch, lp, Reducer(), ranks=1, max_len=1.0)
+    out.policy_loss.backward()
+    assert out.policy_loss.item() == pytest.approx(want_loss, abs=1e-5)
+    assert lp.grad[:, 0].tolist() == pytest.approx([want_grad, 0.5], abs=1e-5)
+
+
+@pytest.mark.parametrize("loss_name", ["policy_gradient", *RATIO_LOSSES])
+@pytest.mark.parametrize("correction", [*WEIGHTING, "none"])
 @SETTINGS
 @given(case=behaviour_batches(), data=st.data())
-def test_tis_pg_and_one_step_decoupled_ppo_equal_the_existing_grpo_tis_loss(case, data):
-    """PG + tis, and PPO clip + decoupled_ppo with pi_prox = sg(pi) (one optimizer step per batch), are
-    loss.grpo_tis_loss: same loss, gradient and clip fraction."""
+def test_one_step_per_batch_is_the_weighted_policy_gradient(correction, loss_name, case, data):
+    """objective.step_loss (one optimizer step: pi_prox = sg(pi), r = 1) with any weighting correction
+    and any policy loss is -w A grad log pi with w the correction's weight at pi: token TIS, IcePop, ...
+    (the learner's original loss for tis). ``none`` under a ratio loss stays anchored on mu."""
     b, cfg = case
-    adv = data.draw(hnp.arrays(np.float64, (len(b["logp"]),), elements=floats(-3, 3)))
-    mask = torch.tensor(b["mask"])
-    total = float(mask.sum()) + 1.0
-    lp0 = torch.tensor(b["logp"], requires_grad=True)
-    want = grpo_tis_loss(PolicyBatch(lp0, torch.tensor(b["mu"]), torch.tensor(adv), mask), cfg.tis_cap, total)
-    want.loss.backward()
-    counts = LossCounts(total, 1.0)
-    for correction, loss_name in (("tis", "policy_gradient"), ("decoupled_ppo", "ppo_clip")):
-        lp = torch.tensor(b["logp"], requires_grad=True)
-        prox = lp.detach() if correction == "decoupled_ppo" else None
-        corr = get_correction(correction)(CorrectionInput(lp, torch.tensor(b["mu"]), mask, prox_logprobs=prox), cfg)
-        inp = PolicyLossInput(lp, corr.old_logprobs, torch.tensor(adv), mask, corr.weights)
-        loss = aggregate("token-mean", get_policy_loss(loss_name)(inp, PolicyLossConfig()).token_loss, mask, counts)
-        loss.backward()
-        assert close(loss.item(), want.loss.item()), correction
-        assert torch.allclose(lp.grad, lp0.grad, rtol=TOL, atol=TOL), correction
-        assert close(corr.clip_frac, want.tis_clip_frac) and close(corr.behaviour_kl, want.behaviour_kl)
+    mask = b["mask"]
+    assume(mask.sum() > 0)
+    b = dict(b, prox=np.where(mask > 0, b["logp"], NAN))
+    weights, _, _, _ = ref_weighting(correction, as_lists(b), cfg)
+    assume(all(len(w) == 1 for w in weights.values()))
+    adv = data.draw(hnp.arrays(np.float64, (len(mask),), elements=floats(-3, 3)))
+    preset = dataclasses.replace(
+        PRESETS["dr_grpo"],
+        policy_loss=loss_name,
+        correction=correction,
+        aggregation="token-mean",
+        correction_config=cfg,
+        loss_config=PolicyLossConfig(),
+    )
+    # dr_grpo's A_i = R_i - mean_g R: one sequence per group gives A = 0, so pair each row with a twin
+    # whose reward is -R_i (A_i = R_i) and whose mask is empty
+    batch = StepBatch(
+        torch.tensor(np.concatenate([adv, -adv])),
+        torch.arange(len(mask)).repeat(2),
+        torch.tensor(np.concatenate([mask, np.zeros_like(mask)])),
+        torch.tensor(np.concatenate([b["mu"], b["mu"]])),
+    )
+    lp = torch.tensor(np.concatenate([b["logp"], b["logp"]]), requires_grad=True)
+    out = step_loss(preset, batch, lp, Reducer(), ranks=1, max_len=float(mask.shape[1]))
+    out.policy_loss.backward()
+    n_tok = float(mask.sum())
+    adv_bt = np.repeat(adv[:, None], mask.shape[1], axis=1).tolist()
+    if correction == "none" and loss_name != "policy_gradient":  # plain PPO on behaviour data: r = pi / mu
+        want = ref_composed_loss(
+            loss_name, "none", dict(as_lists(b), prox=b["mu"].tolist()), adv_bt, cfg, PolicyLossConfig()
+        )
+    else:
+        want = ref_composed_loss("policy_gradient", correction, as_lists(b), adv_bt, cfg, PolicyLossConfig())
+    assert close(out.policy_loss.item(), sum(v[0] for v in want.values()) / n_tok)
+    for (i, t), (_, grads) in want.items():
+        got = float(lp.grad[i, t])
+        assert any(close(got, g / n_tok) for g in grads), (i, t, got, [g / n_tok for g in grads])
+    assert float(lp.grad[len(mask) :].abs().sum()) == 0.0
 
 
 def test_missing_inputs_fail_clearly():
@@ -310,6 +440,16 @@ def test_preset_table():
     assert PRESETS["ppo"].required_inputs == {"values", "old_values", "prox_logprobs", "ref_logprobs"}
     assert PRESETS["dr_grpo"].required_inputs == {"group_ids", "prox_logprobs", "max_len"}
     assert PRESETS["gspo"].required_inputs == {"group_ids"}
+    # a ratio loss under any correction but none clips pi / pi_prox and weights pi_prox / mu
+    for loss in ("ppo_clip", "gspo"):
+        for correction in set(CORRECTIONS) - {"none"}:
+            p = dataclasses.replace(PRESETS["gspo"], policy_loss=loss, correction=correction)
+            assert "prox_logprobs" in p.required_inputs, (loss, correction)
+        assert (
+            "prox_logprobs"
+            not in dataclasses.replace(PRESETS["grpo"], policy_loss=loss, correction="none").required_inputs
+        )
+    assert PRESETS["rloo"].required_inputs == {"group_ids", "ref_logprobs"}  # policy_gradient + tis: w(pi / mu)
 
 
 def test_presets_are_frozen_validated_and_overridable():

@@ -16,7 +16,6 @@ import torch
 import torch.multiprocessing as mp
 from hypothesis import given
 from hypothesis import strategies as st
-from legacy_grpo_tis import PolicyBatch, grpo_tis_loss
 
 from asyncrl import config as config_mod
 from asyncrl.config import AlgorithmConfig, load_config
@@ -103,7 +102,11 @@ def test_the_old_fields_keep_working():
     assert from_config(AlgorithmConfig(name="dr_grpo", normalize_std=True)).advantage == "grpo"
     assert from_config(AlgorithmConfig(adv_eps=1e-3)).advantage_config.eps == 1e-3
     with pytest.raises(UserError, match="normalize_std"):
-        from_config(AlgorithmConfig(name="ppo", normalize_std=False))
+        from_config(
+            AlgorithmConfig.model_construct(**{**AlgorithmConfig().model_dump(), "name": "ppo", "normalize_std": False})
+        )
+    with pytest.raises(UserError, match="normalize_std"):
+        load_config(None, {"algorithm.name": "ppo", "algorithm.normalize_std": False})
     with pytest.raises(UserError, match="normalize_std"):
         load_config(None, {"algorithm.advantage": "rloo", "algorithm.normalize_std": True})
     with pytest.raises(UserError, match="icepop_low"):
@@ -154,7 +157,7 @@ def test_make_batch_shapes_rewards_and_groups():
         TrajectoryGroup(np.array([1, 2], np.int32), [sample(3, 1.0), sample(10, 1.0)], 0, 0, "g"),
         TrajectoryGroup(np.array([3], np.int32), [sample(9, 0.0)], 1, 0, "g"),
     ]
-    batch = make_batch(groups, cfg, from_config(cfg.algorithm), pad_id=0, version=0)
+    batch = make_batch(groups, cfg.generator.max_new_tokens, cfg.algorithm.preset, pad_id=0, version=0)
     # L_cache = 2 tokens: length 10 (the limit) gets -1, length 9 gets -0.5
     assert batch["rewards"].tolist() == [1.0, 0.0, -0.5]
     assert batch["group_ids"].tolist() == [0, 0, 1]
@@ -180,12 +183,17 @@ def test_the_demo_config_is_exactly_the_earlier_grpo_with_token_tis():
     out = step_loss(preset, StepBatch(rewards, groups, mask, behaviour), lp, Reducer(), ranks=1, max_len=t)
     (new,) = torch.autograd.grad(out.policy_loss, logits, retain_graph=True)
 
+    # token-TIS policy gradient by hand: l_t = -w_t A_i pi / sg(pi), w_t = min(pi / mu, 2), token mean
     adv = torch.cat([(r - r.mean()) / (r.std(unbiased=False) + 1e-6) for r in rewards.split(4)])
-    old = grpo_tis_loss(PolicyBatch(lp, behaviour, adv, mask), tis_cap=2.0, total_tokens=float(mask.sum()))
-    (want,) = torch.autograd.grad(old.loss, logits)
-    assert torch.allclose(out.policy_loss, old.loss, atol=1e-12) and torch.allclose(new, want, atol=1e-12)
-    assert abs(out.metrics["learner/behaviour_kl"] - old.behaviour_kl) < 1e-12
-    assert abs(out.metrics["learner/decoupled_ppo_clip_frac"] - old.tis_clip_frac) < 1e-12
+    log_rho = torch.where(mask > 0, lp.detach() - behaviour, 0.0)
+    w = torch.exp(log_rho).clamp(max=2.0)
+    loss = (-w * adv[:, None] * torch.exp(lp - lp.detach()) * mask).sum() / mask.sum()
+    (want,) = torch.autograd.grad(loss, logits)
+    assert torch.allclose(out.policy_loss, loss, atol=1e-12) and torch.allclose(new, want, atol=1e-12)
+    n = float(mask.sum())
+    behaviour_kl = float(((torch.expm1(log_rho) - log_rho) * mask).sum()) / n
+    assert abs(out.metrics["learner/behaviour_kl"] - behaviour_kl) < 1e-12
+    assert abs(out.metrics["learner/decoupled_ppo_clip_frac"] - float(((log_rho.exp() > 2.0) * mask).sum()) / n) < 1e-12
 
 
 # ----------------------------------------------------------------------------- critic checkpoint
@@ -204,7 +212,7 @@ def _critic_round_trip(rank: int, port: int, model_path: str, run_dir: str) -> N
         from asyncrl.learners.models import build_critic
 
         cfg = load_config(None, {"model.path": model_path, "algorithm.name": "ppo", "learner.zero_stage": 0})
-        policy, critic = build_engine(cfg), build_critic(cfg)
+        policy, critic = build_engine(cfg.learner, cfg.model, 10), build_critic(cfg.learner, cfg.model, 10, None)
         ids = torch.tensor([[1, 5, 7, 9, 2]])
         mask = torch.ones_like(ids)
         values = critic(ids, mask)
@@ -213,7 +221,10 @@ def _critic_round_trip(rank: int, port: int, model_path: str, run_dir: str) -> N
         critic.step()  # the head moves off zero
         saved = critic(ids, mask).detach()
         save_checkpoint(policy, Path(run_dir), 3, {}, critic=critic)
-        fresh_policy, fresh_critic = build_engine(cfg), build_critic(cfg)
+        fresh_policy, fresh_critic = (
+            build_engine(cfg.learner, cfg.model, 10),
+            build_critic(cfg.learner, cfg.model, 10, None),
+        )
         assert not torch.allclose(fresh_critic(ids, mask), saved)
         version, _ = load_committed(fresh_policy, Path(run_dir), critic=fresh_critic)
         assert version == 3 and torch.allclose(fresh_critic(ids, mask), saved, atol=1e-6)

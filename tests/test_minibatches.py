@@ -5,8 +5,9 @@ the few DeepSpeed engine calls the learner makes (forward, backward, step; SGD, 
 over ranks as DeepSpeed does), so the mini-batch loop itself is what is tested:
 
 * minibatches = 1 is the one-step path (``objective.step_loss``) exactly;
-* minibatches = 2: the first step's gradient is the hand-computed decoupled-PPO one, and the second
-  step's ratio is against pi_prox from BEFORE the first step, so with a large lr the clip binds;
+* minibatches = 2: the first step's gradient is the hand-computed decoupled-PPO one (token TIS under
+  the clip too), and the second step's ratio is against pi_prox from BEFORE the first step, so with a
+  large lr the clip binds;
 * split invariance: 2 gloo ranks with 2 mini-batches each give the parameters of 1 rank.
 """
 
@@ -26,7 +27,7 @@ from asyncrl.config import load_config
 from asyncrl.learners.loss import pad_batch, sequence_logprobs
 from asyncrl.learners.objective import Reducer, StepBatch, step_loss
 from asyncrl.learners.presets import PRESETS
-from asyncrl.learners.worker import Models, train_step
+from asyncrl.learners.worker import Models, Sampling, train_step
 
 TOL = 1e-6
 
@@ -91,7 +92,8 @@ def train(preset, groups, minibatches: int, lr: float, reducer=None, world: int 
         ref = TinyLM(1)
         reference = lambda input_ids, attention_mask: SimpleNamespace(logits=ref(input_ids))  # noqa: E731
     models = Models(policy, critic, reference)
-    out, _ = train_step(models, make_train_batch(groups), cfg, preset, world, reducer or Reducer())
+    sampling = Sampling(cfg.generator.temperature, cfg.generator.max_new_tokens)
+    out, _ = train_step(models, make_train_batch(groups), preset, cfg.learner, sampling, world, reducer or Reducer())
     return out, models
 
 
@@ -121,8 +123,11 @@ def test_one_minibatch_is_the_one_step_path_exactly(name):
     assert len(models.policy.losses) == 1
 
 
-def test_two_minibatches_clip_against_the_policy_from_before_the_first_step():
-    lr, preset = 20.0, GRPO
+@pytest.mark.parametrize("correction", ["decoupled_ppo", "tis"])
+def test_two_minibatches_clip_against_the_policy_from_before_the_first_step(correction):
+    """Decoupled PPO, and token TIS under the PPO clip (Truncated IS's composition): both clip
+    r = pi / pi_prox and weight min(pi_prox / mu, C)."""
+    lr, preset = 20.0, dataclasses.replace(GRPO, correction=correction)
     groups = make_groups()[:4]
     out, models = train(preset, groups, minibatches=2, lr=lr)
     engine = models.policy
@@ -163,8 +168,8 @@ def test_two_minibatches_clip_against_the_policy_from_before_the_first_step():
 def test_the_lr_schedule_counts_batches_not_optimizer_steps():
     from asyncrl.learners.engine import lr_lambda
 
-    one = lr_lambda(load_config(None, {"run.steps": 10, "learner.warmup_steps": 2}))
-    four = lr_lambda(load_config(None, {"run.steps": 10, "learner.warmup_steps": 2, "learner.minibatches": 4}))
+    one = lr_lambda(load_config(None, {"learner.warmup_steps": 2}).learner, 10)
+    four = lr_lambda(load_config(None, {"learner.warmup_steps": 2, "learner.minibatches": 4}).learner, 10)
     assert [four(s) for s in range(0, 40, 4)] == [one(s) for s in range(10)]
     assert four(39) == one(9) and four(41) == one(10)
 
