@@ -1,8 +1,8 @@
 """The learner's loss before the algorithm registry: GRPO advantages and token-TIS policy gradient.
 
-Kept for tests only, as a regression reference: the preset pieces (``learners/objective.py``) must
-reproduce it exactly for GRPO + token TIS (and one-step decoupled PPO), and ``tests/test_loss.py``
-checks it against loop-by-loop references.
+Nothing in asyncrl uses it, and no algorithm test compares against it any more (the loop references of
+``tests/test_algorithms_*.py`` cover the maths). It stays only while ``tests/test_loss.py`` still tests
+it for its own sake; delete it together with those tests.
 
 Notation (per response token t of sequence i): ``pi`` the learner's policy (carries gradient), ``mu``
 the behaviour policy, ``A_i`` the group-relative advantage, ``w_t = min(pi / mu, C)`` detached; the
