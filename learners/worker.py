@@ -43,7 +43,7 @@ from asyncrl.learners.engine import (
     load_committed,
     save_checkpoint,
 )
-from asyncrl.learners.loss import pad_batch, sequence_logprobs
+from asyncrl.learners.batching import pad_batch, sequence_logprobs
 from asyncrl.learners.models import build_critic, load_reference, reference_logprobs
 from asyncrl.learners.objective import (
     DistReducer,
@@ -302,7 +302,8 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         (max_stale,) = reducer.max([max(stale)])
         if rank == 0:
             record = step_record(version + 1, out, total, max_stale, engine.get_lr()[0])
-            record.update(timings.record(), {"learner/wall_seconds": time.time() - t_start})
+            record.update(timings.record())
+            record["learner/wall_seconds"] = time.time() - t_start
             metrics.log({**record, "time/step_end_at": step_end_at})
         control.heartbeat("learner", str(rank), version=version + 1, pid=os.getpid())
     # the end: make sure a generator serves the final version (it runs the final evaluation)
