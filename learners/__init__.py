@@ -1,7 +1,7 @@
 """Learner side of asyncrl: batches of trajectories -> log-probs -> loss -> optimizer step.
 
-``asyncrl.learners.loss`` holds the maths (advantages, the GRPO loss with truncated importance
-sampling, padding and token log-probs) as pure torch functions. Nothing heavy is imported here, so
+``asyncrl.learners.batching`` pads trajectories into batches and scores their token log-probs; the
+maths lives in the registries below, all pure torch functions. Nothing heavy is imported here, so
 ``import asyncrl.learners`` stays cheap; DeepSpeed is imported only by the learner process itself.
 
 The algorithm pieces users switch between, each a registry of pure functions with slow-reference tests

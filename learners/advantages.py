@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from asyncrl.learners.loss import _lookup
+from asyncrl.learners.batching import lookup
 
 __all__ = [
     "ADVANTAGES",
@@ -307,4 +307,4 @@ ADVANTAGES: dict[str, AdvantageFn] = {
 
 def get_advantage(name: str) -> AdvantageFn:
     """The estimator registered under ``name`` (``ADVANTAGES``); UserError listing known names if none."""
-    return _lookup(ADVANTAGES, "advantage estimator", name)
+    return lookup(ADVANTAGES, "advantage estimator", name)

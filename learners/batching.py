@@ -1,4 +1,5 @@
-"""Token log-probabilities of a padded batch, and the registry lookup every algorithm piece shares.
+"""Batching: padded batches and their token log-probabilities, and the registry lookup and masked mean
+that every algorithm piece shares.
 
 Alignment convention (``pad_batch`` and ``sequence_logprobs``): position ``j`` of every ``(B, L-1)``
 tensor describes the token at ``input_ids[:, j + 1]`` predicted from the prefix ``input_ids[:, :j+1]``.
@@ -16,17 +17,19 @@ from torch import Tensor
 
 from asyncrl.errors import UserError
 
-__all__ = ["pad_batch", "sequence_logprobs"]
+__all__ = ["lookup", "masked_mean", "pad_batch", "sequence_logprobs"]
 
 
-def _lookup(registry: dict, kind: str, name: str) -> Callable:
+def lookup(registry: dict, kind: str, name: str) -> Callable:
+    """``registry[name]``; a UserError naming the ``kind`` and listing the known names if absent."""
     try:
         return registry[name]
     except KeyError:
         raise UserError(f"unknown {kind} {name!r}; known: {', '.join(sorted(registry))}") from None
 
 
-def _masked_mean(x: Tensor, mask: Tensor, count: float) -> float:
+def masked_mean(x: Tensor, mask: Tensor, count: float) -> float:
+    """sum(x * mask) / count as a float (a metric, no gradient); 0.0 when ``count`` is 0."""
     return float((x * mask).sum()) / count if count > 0 else 0.0
 
 

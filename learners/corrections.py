@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from asyncrl.learners.loss import _lookup, _masked_mean
+from asyncrl.learners.batching import lookup, masked_mean
 
 __all__ = [
     "CORRECTIONS",
@@ -149,10 +149,10 @@ def _output(
     return CorrectionOutput(
         weights=torch.where(mask > 0, weights, 0.0),
         old_logprobs=anchor,
-        clip_frac=_masked_mean(affected.to(mask.dtype), mask, n),
+        clip_frac=masked_mean(affected.to(mask.dtype), mask, n),
         ratio_mean=float(valid.mean()) if valid.numel() else 0.0,
         ratio_max=float(valid.max()) if valid.numel() else 0.0,
-        behaviour_kl=_masked_mean(torch.expm1(log_rho) - log_rho, mask, n),
+        behaviour_kl=masked_mean(torch.expm1(log_rho) - log_rho, mask, n),
         **extra,
     )
 
@@ -271,4 +271,4 @@ CORRECTIONS: dict[str, CorrectionFn] = {
 
 def get_correction(name: str) -> CorrectionFn:
     """The correction registered under ``name`` (``CORRECTIONS``); UserError listing known names if none."""
-    return _lookup(CORRECTIONS, "correction", name)
+    return lookup(CORRECTIONS, "correction", name)

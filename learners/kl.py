@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from asyncrl.learners.loss import _lookup
+from asyncrl.learners.batching import lookup
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -76,7 +76,7 @@ KL_ESTIMATORS: dict[str, KLEstimatorFn] = {"k1": k1, "k2": k2, "k3": k3}
 
 def get_kl_estimator(name: str) -> KLEstimatorFn:
     """The estimator registered under ``name`` (``KL_ESTIMATORS``); UserError listing known names if none."""
-    return _lookup(KL_ESTIMATORS, "KL estimator", name)
+    return lookup(KL_ESTIMATORS, "KL estimator", name)
 
 
 def kl_penalty(inp: KLInput, estimator: str) -> Tensor:

@@ -54,7 +54,7 @@ def load_reference(model_cfg: ModelConfig, device) -> nn.Module:
 
 @torch.no_grad()
 def reference_logprobs(ref: nn.Module, batch: dict, temperature: float) -> Tensor:
-    from asyncrl.learners.loss import sequence_logprobs
+    from asyncrl.learners.batching import sequence_logprobs
 
     logits = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     return sequence_logprobs(logits, batch["input_ids"], temperature)

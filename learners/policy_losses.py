@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from asyncrl.learners.loss import _lookup, _masked_mean
+from asyncrl.learners.batching import lookup, masked_mean
 
 __all__ = [
     "AGGREGATIONS",
@@ -178,11 +178,11 @@ def _output(
         ratio, log_ratio = ratio.detach(), log_ratio.detach()
         return PolicyLossOutput(
             token_loss=token_loss,
-            clip_frac=_masked_mean(clip.to(mask.dtype), mask, n),
-            dual_clip_frac=_masked_mean(dual.to(mask.dtype), mask, n),
-            ratio_mean=_masked_mean(ratio, mask, n),
+            clip_frac=masked_mean(clip.to(mask.dtype), mask, n),
+            dual_clip_frac=masked_mean(dual.to(mask.dtype), mask, n),
+            ratio_mean=masked_mean(ratio, mask, n),
             ratio_max=float(ratio[on].max()) if n > 0 else 0.0,
-            approx_kl=_masked_mean(torch.expm1(log_ratio) - log_ratio, mask, n),
+            approx_kl=masked_mean(torch.expm1(log_ratio) - log_ratio, mask, n),
         )
 
 
@@ -304,8 +304,8 @@ def value_loss(inp: ValueLossInput, clip: float | None) -> ValueLossOutput:
     n = float(mask.sum())
     return ValueLossOutput(
         token_loss=token_loss,
-        clip_frac=_masked_mean(clipped.to(mask.dtype), mask, n),
-        value_error=_masked_mean(unclipped.detach(), mask, n),
+        clip_frac=masked_mean(clipped.to(mask.dtype), mask, n),
+        value_error=masked_mean(unclipped.detach(), mask, n),
     )
 
 
@@ -328,12 +328,12 @@ AGGREGATIONS: dict[str, AggregationFn] = {
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The policy loss registered under ``name`` (``POLICY_LOSSES``); UserError listing known names if none."""
-    return _lookup(POLICY_LOSSES, "policy loss", name)
+    return lookup(POLICY_LOSSES, "policy loss", name)
 
 
 def get_aggregation(name: str) -> AggregationFn:
     """The aggregation registered under ``name`` (``AGGREGATIONS``); UserError listing known names if none."""
-    return _lookup(AGGREGATIONS, "aggregation", name)
+    return lookup(AGGREGATIONS, "aggregation", name)
 
 
 def aggregate(name: str, token_loss: Tensor, mask: Tensor, counts: LossCounts) -> Tensor:

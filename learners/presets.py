@@ -16,7 +16,7 @@ from asyncrl.errors import UserError
 from asyncrl.learners.advantages import AdvantageConfig, get_advantage
 from asyncrl.learners.corrections import CorrectionConfig, get_correction
 from asyncrl.learners.kl import get_kl_estimator
-from asyncrl.learners.loss import _lookup
+from asyncrl.learners.batching import lookup
 from asyncrl.learners.policy_losses import PolicyLossConfig, get_aggregation, get_policy_loss
 
 __all__ = ["KL_PLACEMENTS", "PRESETS", "Preset", "from_config", "get_preset"]
@@ -173,7 +173,7 @@ PRESETS: dict[str, Preset] = {
 
 def get_preset(name: str) -> Preset:
     """The preset registered under ``name`` (``PRESETS``); UserError listing known names if none."""
-    return _lookup(PRESETS, "preset", name)
+    return lookup(PRESETS, "preset", name)
 
 
 def _set(**fields):

@@ -9,7 +9,7 @@ from asyncrl.config import load_config
 from asyncrl.demo.model import build_model, build_tokenizer
 from asyncrl.generators.engine import Sampling
 from asyncrl.generators.hf_engine import HfEngine
-from asyncrl.learners.loss import pad_batch, sequence_logprobs
+from asyncrl.learners.batching import pad_batch, sequence_logprobs
 
 
 def test_hf_engine_logprobs_match_the_learner(tmp_path):

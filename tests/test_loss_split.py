@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from asyncrl.learners.loss import pad_batch, sequence_logprobs
+from asyncrl.learners.batching import pad_batch, sequence_logprobs
 from asyncrl.learners.objective import DistReducer, Reducer, StepBatch, step_loss
 from asyncrl.learners.policy_losses import AGGREGATIONS
 from asyncrl.learners.presets import PRESETS, Preset

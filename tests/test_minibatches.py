@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from test_loss_split import MAX_LEN, TinyCritic, TinyLM, make_groups
 
 from asyncrl.config import load_config
-from asyncrl.learners.loss import pad_batch, sequence_logprobs
+from asyncrl.learners.batching import pad_batch, sequence_logprobs
 from asyncrl.learners.objective import Reducer, StepBatch, step_loss
 from asyncrl.learners.presets import PRESETS
 from asyncrl.learners.worker import Models, Sampling, train_step
