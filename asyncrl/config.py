@@ -31,7 +31,12 @@ def _type_or(default: str):
 
 
 class RunConfig(_Section):
-    name: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name; the run directory is out_dir/name.")
+    name: str = Field(
+        "demo",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Run name: letters, digits, '_', '.', '-', starting with a letter or digit (so the run "
+        "directory out_dir/name is always a new child of out_dir, never . or ..).",
+    )
     out_dir: str = Field("runs", description="Parent folder of run directories.")
     seed: int = Field(0, description="Seed for prompts order, sampling and model init.")
     steps: int = Field(40, ge=1, description="Learner optimizer steps to run (the final policy version).")
@@ -61,15 +66,26 @@ class RunConfig(_Section):
     )
 
 
+# Where each model recipe builds (and caches) its model.
+RECIPE_PATHS = {"demo-sort": ".cache/models/demo-sort"}
+
+
 class ModelConfig(_Section):
     path: str = Field(".cache/models/demo-sort", description="HF model directory (config, weights, tokenizer).")
     recipe: Literal["demo-sort"] | None = Field(
         "demo-sort",
-        description="Build the model at `path` with this recipe when it is missing (the demo's SFT warm-up).",
+        description="Build the model with this recipe when `path` is the recipe's own cache directory "
+        "(.cache/models/<recipe>) and has no model yet (the demo's SFT warm-up); any other missing path "
+        "is an error.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of learner and engine weights."
     )
+
+    @property
+    def builds_recipe(self) -> bool:
+        """Whether a missing model at ``path`` is built by the recipe (only at its own cache path)."""
+        return self.recipe is not None and Path(self.path).resolve() == Path(RECIPE_PATHS[self.recipe]).resolve()
 
 
 class DataConfig(_Section):
@@ -414,7 +430,10 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         try:
             tree = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise UserError(f"config file {path} is not valid YAML: {exc}") from None
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise UserError(f"config file {where} is not valid YAML: {problem}") from None
         if not isinstance(tree, dict):
             raise UserError(f"config file {path} must hold a mapping of sections")
     _check_moved(tree)
@@ -445,4 +464,11 @@ def _describe(error: dict) -> str:
 
 
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML, secrets redacted (what ``--dry-run`` prints and ``config.yaml`` holds;
+    processes get the Redis URL from the launcher, not from this file)."""
+    from asyncrl.redis_server import redact_url
+
+    tree = cfg.model_dump(mode="json")
+    if tree["buffer"].get("url"):
+        tree["buffer"]["url"] = redact_url(tree["buffer"]["url"])
+    return yaml.safe_dump(tree, sort_keys=False)

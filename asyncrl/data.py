@@ -42,8 +42,16 @@ def import_by_path(spec: str) -> Callable:
     if not sep:
         raise UserError(f"{spec!r} is not of the form 'module:function'")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"cannot import {spec!r}: {exc}") from None
+    except SyntaxError as exc:
+        raise UserError(f"cannot import {spec!r}: {exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}") from None
+    except Exception as exc:  # noqa: BLE001 - any error at import time is the user's module's
+        raise UserError(f"cannot import {spec!r}: importing {module_name} raised {type(exc).__name__}: {exc}") from None
+    try:
+        fn = getattr(module, attr)
+    except AttributeError as exc:
         raise UserError(f"cannot import {spec!r}: {exc}") from None
     if not callable(fn):
         raise UserError(f"{spec!r} is not callable")

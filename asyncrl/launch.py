@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from asyncrl.buffers.base import lost_groups
-from asyncrl.config import Config, dump_config
+from asyncrl.config import RECIPE_PATHS, Config, ModelConfig, dump_config
 from asyncrl.control import RunControl, connect
 from asyncrl.errors import UserError
 from asyncrl.learners.checkpoint import read_committed
@@ -100,8 +100,7 @@ def preflight_light(cfg: Config, redis_url: str | None = None) -> None:
     if cfg.data.eval:
         load_jsonl(cfg.data.eval)
     import_by_path(cfg.data.reward)
-    if not (Path(cfg.model.path) / "config.json").is_file() and cfg.model.recipe is None:
-        raise UserError(f"model directory not found: {cfg.model.path} (and model.recipe is not set)")
+    check_model_path(cfg.model)
     from asyncrl.redis_server import check_redis_url, find_redis_binary
 
     redis_url = redis_url or external_redis_url(cfg)
@@ -121,12 +120,21 @@ def preflight(cfg: Config, redis_url: str | None, log=print) -> None:
     ensure_model(cfg, log)
 
 
+def check_model_path(model: ModelConfig) -> None:
+    """A model directory, or the recipe's own cache path (built on first use); else one error."""
+    path = Path(model.path)
+    if (path / "config.json").is_file() or model.builds_recipe:
+        return
+    what = "is not an HF model directory (no config.json)" if path.is_dir() else "does not exist"
+    hint = f"; model.recipe={model.recipe} builds only at {RECIPE_PATHS[model.recipe]}" if model.recipe else ""
+    raise UserError(f"model.path {path} {what}{hint}")
+
+
 def ensure_model(cfg: Config, log=print) -> None:
+    check_model_path(cfg.model)
     path = Path(cfg.model.path)
     if (path / "config.json").is_file():
         return
-    if cfg.model.recipe is None:
-        raise UserError(f"model directory not found: {path} (and model.recipe is not set)")
     from asyncrl.demo.model import prepare_demo_model
 
     log(f"building the demo model at {path} (once; cached)")
@@ -155,16 +163,18 @@ class Launcher:
 
     # -- set-up ------------------------------------------------------------------------------------
     def prepare_run_dir(self) -> Path:
+        """The run directory, private to this user (0700: it holds the weights, every trajectory in the
+        AOF and the Redis URL), with the resolved config in it (secrets redacted)."""
         if self.run_dir.exists() and not self.cfg.run.overwrite:
             raise UserError(f"run directory {self.run_dir} exists (set run.overwrite=true or pick another run.name)")
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.chmod(0o700)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
         for stale in ("metrics.jsonl", "summary.json"):
             (self.run_dir / stale).unlink(missing_ok=True)
         for stale in ("checkpoint", "export", "redis"):  # a restarted learner must never resume an old run
             shutil.rmtree(self.run_dir / stale, ignore_errors=True)
-        config_path = self.run_dir / "config.yaml"
-        config_path.write_text(dump_config(self.cfg))
-        return config_path
+        return write_secret(self.run_dir / "config.yaml", dump_config(self.cfg), newline=False)
 
     def start_redis(self) -> str:
         if self.redis_url:
@@ -440,12 +450,12 @@ def stop_processes(children: list[Child], grace_s: float = 0.0) -> None:
                 pass
 
 
-def write_secret(path: Path, text: str) -> Path:
+def write_secret(path: Path, text: str, newline: bool = True) -> Path:
     """Write ``text`` readable by this user only (the Redis URL carries its password)."""
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(text + "\n")
+        f.write(text + ("\n" if newline else ""))
     return path
 
 
