@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, replace
 
 from asyncrl.errors import UserError
 from asyncrl.learners.advantages import AdvantageConfig, get_advantage
+from asyncrl.learners.batching import lookup
 from asyncrl.learners.corrections import CorrectionConfig, get_correction
 from asyncrl.learners.kl import get_kl_estimator
-from asyncrl.learners.batching import lookup
 from asyncrl.learners.policy_losses import PolicyLossConfig, get_aggregation, get_policy_loss
 
 __all__ = ["KL_PLACEMENTS", "PRESETS", "Preset", "from_config", "get_preset"]

@@ -259,9 +259,7 @@ class BufferMachine(RuleBasedStateMachine):
         self._new_consumers()
 
     def _new_consumers(self) -> None:
-        self.consumers = [
-            BatchConsumer(Observed(self.buf, self, r), f"rank{r}", self.rules) for r in range(self.ranks)
-        ]
+        self.consumers = [BatchConsumer(Observed(self.buf, self, r), f"rank{r}", self.rules) for r in range(self.ranks)]
 
     # ----- model helpers --------------------------------------------------------------------
 
