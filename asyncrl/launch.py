@@ -29,11 +29,14 @@ import time
 from pathlib import Path
 
 from asyncrl.buffers.base import lost_groups
-from asyncrl.config import RECIPE_PATHS, Config, ModelConfig, dump_config
+from asyncrl.config import Config, dump_config
 from asyncrl.control import RunControl, connect
 from asyncrl.errors import UserError
 from asyncrl.learners.checkpoint import read_committed
+from asyncrl.lifetime import die_with, live_processes
+from asyncrl.preflight import external_redis_url, preflight
 from asyncrl.redis_server import free_loopback_port, url_address
+from asyncrl.resume import ResumePoint, reset_for_resume
 from asyncrl.run_stats import Progress, RunStats
 
 STOP_GRACE_S = 10.0  # children get this long to leave on their own before SIGTERM, then SIGKILL
@@ -52,8 +55,10 @@ class Child:
 
     nice: int = 0
     cpus: set[int] | None = None
+    launcher_pid: int = dataclasses.field(default_factory=os.getpid)
 
     def _preexec(self) -> None:
+        die_with(self.launcher_pid)()
         if self.nice:
             os.nice(self.nice)
             # each child has its own session, so with autogroup scheduling (most Linux desktops and
@@ -92,63 +97,15 @@ class Child:
             return ""
 
 
-def preflight_light(cfg: Config, redis_url: str | None = None) -> None:
-    """Everything that can be checked without building or starting anything; raises UserError."""
-    from asyncrl.data import import_by_path, load_jsonl
-
-    load_jsonl(cfg.data.train)
-    if cfg.data.eval:
-        load_jsonl(cfg.data.eval)
-    import_by_path(cfg.data.reward)
-    check_model_path(cfg.model)
-    from asyncrl.redis_server import check_redis_url, find_redis_binary
-
-    redis_url = redis_url or external_redis_url(cfg)
-    if redis_url:
-        check_redis_url(redis_url)
-    else:
-        find_redis_binary()
-
-
-def external_redis_url(cfg: Config) -> str | None:
-    """The Redis server the config names (``buffer.url``), if any; None: the launcher starts its own."""
-    return cfg.buffer.url if cfg.buffer.type == "redis" else None
-
-
-def preflight(cfg: Config, redis_url: str | None, log=print) -> None:
-    preflight_light(cfg, redis_url)
-    ensure_model(cfg, log)
-
-
-def check_model_path(model: ModelConfig) -> None:
-    """A model directory, or the recipe's own cache path (built on first use); else one error."""
-    path = Path(model.path)
-    if (path / "config.json").is_file() or model.builds_recipe:
-        return
-    what = "is not an HF model directory (no config.json)" if path.is_dir() else "does not exist"
-    hint = f"; model.recipe={model.recipe} builds only at {RECIPE_PATHS[model.recipe]}" if model.recipe else ""
-    raise UserError(f"model.path {path} {what}{hint}")
-
-
-def ensure_model(cfg: Config, log=print) -> None:
-    check_model_path(cfg.model)
-    path = Path(cfg.model.path)
-    if (path / "config.json").is_file():
-        return
-    from asyncrl.demo.model import prepare_demo_model
-
-    log(f"building the demo model at {path} (once; cached)")
-    prepare_demo_model(path, seed=cfg.run.seed, log=log)
-
-
 def _has_cuda() -> bool:
     """Without importing torch (slow): a CUDA driver exposes /proc/driver/nvidia."""
     return os.path.exists("/proc/driver/nvidia/version")
 
 
 class Launcher:
-    def __init__(self, cfg: Config, redis_url: str | None = None, console=None):
+    def __init__(self, cfg: Config, redis_url: str | None = None, console=None, resume: ResumePoint | None = None):
         self.cfg = cfg
+        self.resume = resume  # continue the run in cfg.run_dir (asyncrl.resume) instead of starting one
         self.redis_url = redis_url or external_redis_url(cfg)
         self.run_dir = cfg.run_dir
         self.console = console
@@ -165,15 +122,23 @@ class Launcher:
     def prepare_run_dir(self) -> Path:
         """The run directory, private to this user (0700: it holds the weights, every trajectory in the
         AOF and the Redis URL), with the resolved config in it (secrets redacted)."""
-        if self.run_dir.exists() and not self.cfg.run.overwrite:
-            raise UserError(f"run directory {self.run_dir} exists (set run.overwrite=true or pick another run.name)")
+        alive = live_processes(self.run_dir)
+        if alive:
+            listed = ", ".join(f"{name} (pid {pid})" for name, pid in alive.items())
+            raise UserError(f"run directory {self.run_dir} belongs to a launch that still runs: {listed}")
+        if self.resume is None and self.run_dir.exists() and not self.cfg.run.overwrite:
+            raise UserError(
+                f"run directory {self.run_dir} exists: continue it with --resume {self.run_dir}, or start "
+                f"it over with --set run.overwrite=true, or pick another run.name"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir.chmod(0o700)
         (self.run_dir / "logs").mkdir(exist_ok=True)
-        for stale in ("metrics.jsonl", "summary.json"):
-            (self.run_dir / stale).unlink(missing_ok=True)
-        for stale in ("checkpoint", "export", "redis"):  # a restarted learner must never resume an old run
-            shutil.rmtree(self.run_dir / stale, ignore_errors=True)
+        if self.resume is None:
+            for stale in ("metrics.jsonl", "summary.json"):
+                (self.run_dir / stale).unlink(missing_ok=True)
+            for stale in ("checkpoint", "export", "redis"):  # a restarted learner must never resume an old run
+                shutil.rmtree(self.run_dir / stale, ignore_errors=True)
         return write_secret(self.run_dir / "config.yaml", dump_config(self.cfg), newline=False)
 
     def start_redis(self) -> str:
@@ -181,7 +146,10 @@ class Launcher:
             return self.redis_url
         from asyncrl.redis_server import start_redis_server
 
-        self.redis = start_redis_server((self.run_dir / "redis").resolve())
+        workdir, password = (self.run_dir / "redis").resolve(), None
+        if self.resume is not None:  # the same data (the AOF) and password; a new port
+            workdir, password = self.resume.redis_dir, self.resume.redis_password
+        self.redis = start_redis_server(workdir, password=password, preexec_fn=die_with(os.getpid()))
         return self.redis.url
 
     def child_env(self, url: str, prefix: str) -> dict[str, str]:
@@ -208,8 +176,9 @@ class Launcher:
         for rank in range(cfg.run.learners):
             env = dict(
                 base,
-                MASTER_ADDR="127.0.0.1",
+                MASTER_ADDR="127.0.0.1",  # the rendezvous store listens here only (learners.engine)
                 MASTER_PORT=master_port,
+                GLOO_SOCKET_IFNAME=base.get("GLOO_SOCKET_IFNAME", "lo"),  # gloo's pair sockets too
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
                 WORLD_SIZE=str(cfg.run.learners),
@@ -330,11 +299,14 @@ class Launcher:
         stop_processes(self.children, grace_s=STOP_GRACE_S)
 
     def remove_stale_weights(self) -> None:
-        """Shared-memory weight versions of publishers that died without cleaning up (SIGKILL)."""
-        if self.cfg.weights.type == "shm":
-            from asyncrl.weights import remove_stale_shm
+        """Shared-memory weight versions of publishers that died without cleaning up (SIGKILL), this
+        run's or any earlier one's on this host: in the default tmpfs and in this run's ``weights.dir``."""
+        from asyncrl.weights import remove_stale_shm
+        from asyncrl.weights.shm_reclaim import DEFAULT_ROOT
 
-            for path in remove_stale_shm(self.cfg.weights.dir):
+        roots = {DEFAULT_ROOT, self.cfg.weights.dir} if self.cfg.weights.type == "shm" else {DEFAULT_ROOT}
+        for root in sorted(r for r in roots if os.path.isdir(r)):
+            for path in remove_stale_shm(root):
                 self.log(f"removed shared-memory weights of a dead learner: {path}")
 
     def final_buffer_stats(self) -> dict | None:
@@ -356,7 +328,8 @@ class Launcher:
         cfg = self.cfg
         preflight(cfg, self.redis_url, log=self.log)
         config_path = self.prepare_run_dir()
-        self.stats = RunStats(cfg.run, self.run_dir)
+        self.stats = RunStats(cfg.run, self.run_dir, resumed=self.resume is not None)
+        self.remove_stale_weights()  # of any earlier run on this host whose learner was killed
         control = None
         reason, code = "interrupted", 130
         previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -365,10 +338,17 @@ class Launcher:
             from asyncrl.buffers import run_prefix
             from asyncrl.buffers import setup as setup_buffer
 
-            run_id = f"{cfg.run.name}-{secrets.token_hex(4)}"
-            prefix = run_prefix(run_id)
+            if self.resume is not None:
+                run_id, prefix = self.resume.run_id, self.resume.prefix
+            else:
+                run_id = f"{cfg.run.name}-{secrets.token_hex(4)}"
+                prefix = run_prefix(run_id)
             control = RunControl(connect(url), prefix)
             self.buffer = setup_buffer(cfg.buffer, url, prefix)
+            if self.resume is not None:
+                undone = reset_for_resume(control, self.buffer, set(self.stats.evals))
+                self.stats.skip_logged(control)
+                self.log(f"resuming {run_id} from version {self.resume.committed_version}; undone: {undone}")
             self.run_info = {
                 "run_id": run_id,
                 "prefix": prefix,

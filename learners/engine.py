@@ -11,10 +11,12 @@ is *committed* when the marker of ``learners.checkpoint`` names it; it is writte
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import torch
@@ -25,14 +27,39 @@ from asyncrl.learners.checkpoint import read_committed, write_atomic, write_comm
 
 
 def init_distributed(backend: str) -> None:
-    """Join the learner ranks' default process group; ``backend`` auto = nccl on GPU, gloo on CPU."""
+    """Join the learner ranks' default process group; ``backend`` auto = nccl on GPU, gloo on CPU.
+
+    Rendezvous through ``MASTER_ADDR:MASTER_PORT`` (the launcher's environment). torch's own env://
+    rendezvous makes rank 0's TCPStore listen on every interface, unauthenticated, whatever
+    MASTER_ADDR says; here rank 0 listens on MASTER_ADDR only (loopback for a local run).
+    """
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = rendezvous_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+
+
+_STORE_SOCKETS: list[socket.socket] = []  # rank 0's listening socket lives as long as its store
+
+
+def rendezvous_store(addr: str, port: int, rank: int, world: int, timeout_s: float = 300.0) -> dist.TCPStore:
+    """The process group's key-value store: rank 0 serves it on ``addr:port`` (that address only),
+    the other ranks connect to it."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(addr, port, world, False, timeout)
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, port))
+    sock.listen(128)
+    _STORE_SOCKETS.append(sock)
+    return dist.TCPStore(addr, port, world, True, timeout, master_listen_fd=sock.fileno())
 
 
 def lr_lambda(learner: LearnerConfig, steps: int):
