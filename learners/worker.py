@@ -11,7 +11,8 @@ All ranks step in lockstep (the gradient all-reduce is a barrier). Each step, at
                 (``learner.minibatches`` x ``learner.epochs``): version v + 1 after the batch
   4. publish  - rank 0 sets the buffer's version and publishes the weights over the weight bus
   5. commit   - every ``learner.checkpoint_every`` versions: a checkpoint, committed, and only then
-                the groups it trained are acknowledged in the buffer
+                the groups it trained are acknowledged in the buffer (the step's metrics record goes
+                out before it, so every committed version is in the history a resumed run continues)
 
 On start a rank restores the committed checkpoint if there is one (a restart after a crash) and
 takes back the entries it had pending, judged again at the restored version.
@@ -35,6 +36,7 @@ from asyncrl.buffers.consumer import Batch, BatchConsumer, ConsumerRules, StopRe
 from asyncrl.config import AlgorithmConfig, Config, LearnerConfig, ModelConfig, load_config
 from asyncrl.control import RunControl, connect
 from asyncrl.learners.advantages import overlong_penalty
+from asyncrl.learners.batching import pad_batch, sequence_logprobs
 from asyncrl.learners.engine import (
     build_engine,
     export_hf,
@@ -43,7 +45,6 @@ from asyncrl.learners.engine import (
     load_committed,
     save_checkpoint,
 )
-from asyncrl.learners.batching import pad_batch, sequence_logprobs
 from asyncrl.learners.models import build_critic, load_reference, reference_logprobs
 from asyncrl.learners.objective import (
     DistReducer,
@@ -61,7 +62,7 @@ from asyncrl.learners.presets import Preset
 from asyncrl.metrics import RedisSink, Timings, setup_logging
 from asyncrl.protocol import TrajectoryGroup
 from asyncrl.staleness import staleness
-from asyncrl.weights import setup_publisher
+from asyncrl.weights import private_address, setup_publisher
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -261,7 +262,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
     start = restore(models, consumer, ckpt_dir, rank)
     if rank == 0:
         log.info("algorithm %s: %s", cfg.algorithm.name, preset)
-    publisher = setup_publisher(cfg.weights) if rank == 0 else None
+    publisher = setup_publisher(cfg.weights, private_address(cfg.weights, cfg.run_dir)) if rank == 0 else None
     state = full_state_dict(engine, cfg.learner.zero_stage)
     if publisher is not None:
         buffer.set_version(start)
@@ -290,14 +291,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
             buffer.set_version(version + 1)
             publisher.publish(version + 1, state)
         timings.time("publish")
-        # 5. commit
-        if commit_due(cfg.learner, version + 1, cfg.run.steps):
-            save_checkpoint(engine, ckpt_dir, version + 1, consumer.checkpoint_state(), critic=models.critic)
-            consumer.commit()
-        elif cfg.learner.checkpoint_every == 0 and not cfg.learner.checkpoint:
-            consumer.commit()  # nothing to resume from: a step is the only commit point there is
-        timings.time("commit")
-        # metrics: global over ranks
+        # metrics, global over ranks, before the commit: a committed version always has its record
         total = reducer.sum_dict(step_sums(groups, batch, stale, mismatch))
         (max_stale,) = reducer.max([max(stale)])
         if rank == 0:
@@ -305,6 +299,15 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
             record.update(timings.record())
             record["learner/wall_seconds"] = time.time() - t_start
             metrics.log({**record, "time/step_end_at": step_end_at})
+        # 5. commit
+        if commit_due(cfg.learner, version + 1, cfg.run.steps):
+            t_commit = time.perf_counter()
+            save_checkpoint(engine, ckpt_dir, version + 1, consumer.checkpoint_state(), critic=models.critic)
+            consumer.commit()
+            if rank == 0:
+                metrics.log({"checkpoint/version": version + 1, "checkpoint/seconds": time.perf_counter() - t_commit})
+        elif cfg.learner.checkpoint_every == 0 and not cfg.learner.checkpoint:
+            consumer.commit()  # nothing to resume from: a step is the only commit point there is
         control.heartbeat("learner", str(rank), version=version + 1, pid=os.getpid())
     # the end: make sure a generator serves the final version (it runs the final evaluation)
     if rank == 0:

@@ -20,6 +20,12 @@ socket transports share one control plane (``control_plane``). ``MemoryWeightBus
 
 from __future__ import annotations
 
+import hashlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+
 from asyncrl.weights.base import WeightPublisher, WeightSubscriber
 from asyncrl.weights.collective_bus import CollectiveWeightPublisher
 from asyncrl.weights.collective_subscriber import CollectiveWeightSubscriber
@@ -53,6 +59,7 @@ __all__ = [
     "ZmqWeightSubscriber",
     "decode",
     "encode",
+    "private_address",
     "remove_stale_shm",
     "setup_publisher",
     "setup_subscriber",
@@ -60,6 +67,31 @@ __all__ = [
 ]
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:*"
+_SUN_PATH_MAX = 107  # bytes of a unix socket path (sockaddr_un.sun_path is 108 with its NUL)
+
+
+def private_address(weights, directory: Path) -> str | None:
+    """The endpoint a run's publisher binds so that only its own user's processes can read the weights.
+
+    zmq: an ipc socket in ``directory`` (the run directory, mode 0700: the kernel refuses every other
+    user's connect; over loopback tcp any local user could subscribe). A path too long for a unix
+    socket falls back to one 0700 directory per run directory under the system temp dir, reused by
+    restarts, and refused if it is not this user's alone. shm makes its own 0700 directory; nccl's
+    control plane is tcp (GPU hosts) and gets the default (None).
+    """
+    if weights.type != "zmq":
+        return None
+    directory = Path(directory).resolve()
+    path = directory / "weights.sock"
+    if len(os.fsencode(path)) > _SUN_PATH_MAX:
+        digest = hashlib.sha256(os.fsencode(directory)).hexdigest()[:16]
+        short = Path(tempfile.gettempdir()) / f"asyncrl-ipc-{os.getuid()}-{digest}"
+        short.mkdir(mode=0o700, exist_ok=True)
+        st = short.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
+            raise PermissionError(f"{short} exists but is not a 0700 directory of this user")
+        path = short / "weights.sock"
+    return f"ipc://{path}"
 
 
 def setup_publisher(weights, address: str | None = None) -> WeightPublisher:
