@@ -18,6 +18,12 @@ def _launch_parser(sub) -> None:
     p.add_argument("--name", help="run name; the run directory is runs/<name> (run.name)")
     p.add_argument("--redis-url", help="use this Redis server instead of starting one")
     p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the stopped or crashed run in RUN_DIR (runs/<name>) from its committed checkpoint, "
+        "with its own config (change it with --set or the flags above)",
+    )
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -42,7 +48,20 @@ def resolve_config(args):
         "buffer.url": args.redis_url,
     }
     overrides.update({k: v for k, v in flags.items() if v is not None})
-    return load_config(args.config, overrides)
+    if not args.resume:
+        return load_config(args.config, overrides)
+    from pathlib import Path
+
+    run_dir = Path(args.resume)
+    if args.config or args.name:
+        raise UserError("--resume reads the run's own config.yaml and name; change the config with --set")
+    overrides.update({"run.out_dir": str(run_dir.parent), "run.name": run_dir.name})
+    cfg = load_config(run_dir / "config.yaml", overrides)
+    if cfg.buffer.type == "redis" and cfg.buffer.url and "***" in cfg.buffer.url:
+        raise UserError(
+            "the run used an external Redis server: resume it with --redis-url (the stored URL is redacted)"
+        )
+    return cfg
 
 
 def cmd_launch(args) -> int:
@@ -53,14 +72,20 @@ def cmd_launch(args) -> int:
     console = Console(stderr=True)
     cfg = resolve_config(args)
     if args.dry_run:
-        from asyncrl.launch import preflight_light
+        from asyncrl.preflight import preflight_light
 
         preflight_light(cfg)
         print(dump_config(cfg), end="")
         return 0
     from asyncrl.launch import Launcher
 
-    launcher = Launcher(cfg, console=console)
+    resume = None
+    if args.resume:
+        from asyncrl.resume import check_resumable, load_resume_point
+
+        resume = load_resume_point(cfg.run_dir)
+        check_resumable(resume, cfg.run.steps)
+    launcher = Launcher(cfg, console=console, resume=resume)
     code = launcher.run()
     summary = launcher.stats.summary("")
     console.print(
@@ -107,7 +132,7 @@ def cmd_status(args) -> int:
 
 def cmd_prepare_demo(args) -> int:
     from asyncrl.config import load_config
-    from asyncrl.launch import ensure_model
+    from asyncrl.preflight import ensure_model
 
     ensure_model(load_config(args.config), log=print)
     return 0

@@ -62,7 +62,9 @@ class RunConfig(_Section):
     )
     generator_nice: int = Field(10, ge=0, le=19, description="Niceness of generators under cpu_scheduling.")
     overwrite: bool = Field(
-        True, description="Reuse an existing run directory of the same name (its files are replaced)."
+        False,
+        description="Start over in an existing run directory of the same name (its checkpoints, buffer and "
+        "metrics are deleted); false: such a launch refuses (continue a run with `--resume runs/<name>`).",
     )
 
 

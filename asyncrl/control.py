@@ -61,10 +61,28 @@ class RunControl:
         """True for exactly one caller across all processes."""
         return bool(self.r.set(self.keys.claim(name), 1, nx=True))
 
+    def forget_eval_claims(self, keep: set[int]) -> int:
+        """Drop the claims ``eval:<v>`` of versions not in ``keep`` (evaluations that never reported:
+        their generator died mid-way); returns how many."""
+        dropped = 0
+        for key in self.r.scan_iter(match=self.keys.claim("eval:*")):
+            version = key.decode().rsplit(":", 1)[1]
+            if not version.isdigit() or int(version) not in keep:
+                dropped += self.r.delete(key)
+        return dropped
+
     # -- in-flight groups ---------------------------------------------------------------------------
     def set_inflight(self, ident: str, n: int) -> None:
         """Groups this generator admitted and has not pushed yet."""
         self.r.hset(self.keys.inflight, ident, n)
+
+    def take_all_inflight(self) -> int:
+        """For a resumed launch: every generator's unpushed groups (none of them survived), reset to 0."""
+        with self.r.pipeline() as p:  # MULTI: no increment can land between the read and the reset
+            p.hgetall(self.keys.inflight)
+            p.delete(self.keys.inflight)
+            counts, _ = p.execute()
+        return sum(int(v) for v in counts.values())
 
     def take_inflight(self, ident: str) -> int:
         """For the launcher after a generator died: its unpushed groups, reset to 0."""
@@ -83,6 +101,12 @@ class RunControl:
             p.expire(key, HEARTBEAT_TTL_S)
             p.hset(self.keys.seen_processes(role), ident, json.dumps(beat))
             p.execute()
+
+    def forget_heartbeats(self) -> None:
+        """Drop every live heartbeat (a resumed launch: the processes that sent them are gone)."""
+        keys = list(self.r.scan_iter(match=self.keys.heartbeat("*", "*")))
+        if keys:
+            self.r.delete(*keys)
 
     def seen(self, role: str) -> dict[str, dict]:
         """Every process of ``role`` that ever sent a heartbeat: id -> its last one."""
@@ -127,13 +151,25 @@ class RunControl:
             else:
                 records.append(record)
         last = entries[-1][0].decode() if entries else after
-        if entries:
-            self.r.xtrim(self.keys.metrics, minid=last)  # the launcher is the only reader
         return last, records
+
+    def trim_metrics(self, through: str) -> None:
+        """Drop the entries before ``through`` (the last one logged), exactly: the launcher is the only
+        reader, and a resumed launch reads on after the oldest entry left (``first_metrics_id``)."""
+        if through != "0-0":
+            self.r.xtrim(self.keys.metrics, minid=through, approximate=False)
+
+    def first_metrics_id(self) -> str | None:
+        """The id of the oldest metrics entry still in the stream (None if it is empty)."""
+        entries = self.r.xrange(self.keys.metrics, count=1)
+        return entries[0][0].decode() if entries else None
 
     # -- stop -------------------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
         self.r.set(self.keys.stop, reason)
+
+    def clear_stop(self) -> None:
+        self.r.delete(self.keys.stop)
 
     def stop_requested(self) -> bool:
         return bool(self.r.exists(self.keys.stop))

@@ -81,7 +81,8 @@ def check_redis_url(url: str, timeout_s: float = 3.0) -> None:
 class RedisServer:
     """A running ``redis-server`` child process. Stop it with :meth:`stop` (also on ``with`` exit)."""
 
-    def __init__(self, workdir: Path, port: int, password: str, appendonly: bool, binary: str):
+    def __init__(self, workdir: Path, port: int, password: str, appendonly: bool, binary: str, preexec_fn=None) -> None:
+        self.preexec_fn = preexec_fn  # run in the child before exec (the launcher's: die with it)
         self.workdir = Path(workdir)
         self.port = port
         self.password = password
@@ -133,7 +134,12 @@ class RedisServer:
         log = open(self.log_path, "ab")  # early errors (before --logfile applies) go here too
         try:
             self._proc = subprocess.Popen(
-                args, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                args,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=self.preexec_fn,
             )
         finally:
             log.close()
@@ -264,6 +270,7 @@ def start_redis_server(
     *,
     binary: str = REDIS_BINARY,
     timeout_s: float = 10.0,
+    preexec_fn=None,
 ) -> RedisServer:
     """Start ``redis-server`` on a free loopback port with data in ``workdir``; wait until it answers.
 
@@ -279,7 +286,7 @@ def start_redis_server(
     import redis
 
     for attempt in range(_PORT_ATTEMPTS):
-        server = RedisServer(workdir, free_loopback_port(), password, appendonly, exe)
+        server = RedisServer(workdir, free_loopback_port(), password, appendonly, exe, preexec_fn)
         try:
             server.start(timeout_s)
             return server

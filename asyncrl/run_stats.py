@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -56,10 +57,11 @@ class WeightSync:
 class RunStats:
     """Folds the metric records of every process into the figures of the progress line and summary."""
 
-    def __init__(self, run: RunConfig, run_dir: Path):
+    def __init__(self, run: RunConfig, run_dir: Path, resumed: bool = False):
         self.run = run
         self.started = time.time()
-        self.sink = JsonlSink(run_dir / "metrics.jsonl")
+        previous = _read_jsonl(run_dir / "metrics.jsonl") if resumed else []
+        self.sink = JsonlSink(run_dir / "metrics.jsonl")  # appends: a resumed run's history goes on
         self.cursor = "0-0"
         self.version = 0
         self.reward = None
@@ -78,10 +80,21 @@ class RunStats:
         self.sync_seconds: list[float] = []
         self.bad_records = 0  # metric records of the wrong shape (skipped)
         self.bad_records_read = 0  # metric entries that were not JSON objects (skipped by RunControl)
+        self.resumed_records = len(previous)
+        for record in previous:  # the launch before this one: its figures count (nothing re-logged)
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                self._fold(record, None)
+                self.weight_sync.fold(record)
+
+    def skip_logged(self, control) -> None:
+        """A resumed launch reads the metrics stream after what its predecessor wrote to metrics.jsonl:
+        that launch trimmed the stream up to (and kept) the last entry it logged."""
+        if self.resumed_records:  # else that launch logged nothing: read the stream from its start
+            self.cursor = control.first_metrics_id() or self.cursor
 
     def drain(self, control, on_eval=None) -> None:
         try:
-            self.cursor, records = control.read_metrics(self.cursor)
+            cursor, records = control.read_metrics(self.cursor)
         except Exception:  # the run is ending because redis died; keep what we have
             return
         for record in records:
@@ -95,7 +108,12 @@ class RunStats:
             for sync in syncs:
                 self.sink.log(sync)
                 self.sync_seconds.append(sync["weights/sync_seconds"])
+        self.cursor = cursor
         self.bad_records_read = control.bad_metrics
+        try:  # after the records are in metrics.jsonl: a launcher killed in between re-reads, never loses
+            control.trim_metrics(cursor)
+        except Exception:
+            pass
 
     def _fold(self, record: dict, on_eval) -> None:
         """Take one record; a field of the wrong shape raises before anything changed."""
@@ -216,3 +234,18 @@ class Progress:
     def __exit__(self, *exc) -> None:
         if self._progress is not None:
             self._progress.stop()
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    """The JSON-object lines of ``path`` (none if it is missing; a torn last line is skipped)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                records.append(record)
+    return records

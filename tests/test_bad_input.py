@@ -8,7 +8,7 @@ import os
 import stat
 
 import pytest
-from test_config import DEMO, asyncrl, assert_one_line_error
+from test_config import DEMO, assert_one_line_error, asyncrl
 
 from asyncrl.config import dump_config, load_config
 from asyncrl.errors import UserError
@@ -80,7 +80,7 @@ def test_a_model_path_that_is_not_a_model_is_an_error_not_a_demo_build(tmp_path)
     assert_one_line_error(proc, "my-model", "config.json")
     assert not any(empty.iterdir())
     with pytest.raises(UserError, match="typo"):
-        from asyncrl.launch import ensure_model
+        from asyncrl.preflight import ensure_model
 
         ensure_model(load_config(DEMO, {"model.path": str(tmp_path / "typo")}), log=lambda _: None)
     assert not (tmp_path / "typo").exists()
