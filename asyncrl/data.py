@@ -17,6 +17,14 @@ RewardFn = Callable[[str, str, dict], float]  # (prompt, completion text, record
 
 def load_jsonl(path: str | Path) -> list[dict]:
     """Records with at least a ``prompt`` string; errors name the file and line."""
+    records = [rec for _, rec in numbered_jsonl(path)]
+    if not records:
+        raise UserError(f"dataset file is empty: {path}")
+    return records
+
+
+def numbered_jsonl(path: str | Path) -> list[tuple[int, dict]]:
+    """``(line number, record)`` of every non-blank line; errors name the file and line."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"dataset file not found: {path}")
@@ -30,9 +38,7 @@ def load_jsonl(path: str | Path) -> list[dict]:
             raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
             raise UserError(f"{path}:{lineno}: each line must be an object with a string 'prompt'")
-        records.append(rec)
-    if not records:
-        raise UserError(f"dataset file is empty: {path}")
+        records.append((lineno, rec))
     return records
 
 

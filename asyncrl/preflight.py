@@ -18,6 +18,7 @@ def preflight_light(cfg: Config, redis_url: str | None = None) -> None:
         load_jsonl(cfg.data.eval)
     import_by_path(cfg.data.reward)
     check_model_path(cfg.model)
+    check_prompt_lengths(cfg)
     from asyncrl.redis_server import check_redis_url, find_redis_binary
 
     redis_url = redis_url or external_redis_url(cfg)
@@ -33,8 +34,39 @@ def external_redis_url(cfg: Config) -> str | None:
 
 
 def preflight(cfg: Config, redis_url: str | None, log=print) -> None:
+    built_here = not (Path(cfg.model.path) / "config.json").is_file()
     preflight_light(cfg, redis_url)
     ensure_model(cfg, log)
+    if built_here:  # the light checks could not look at the prompts yet
+        check_prompt_lengths(cfg)
+
+
+def check_prompt_lengths(cfg: Config) -> None:
+    """Every train and eval prompt leaves room for ``generator.max_new_tokens`` in the model's context;
+    else one error naming the first such line (a generator would skip and count them, but a dataset
+    that does not fit the model is a mistake better shown before the run). Needs the model's tokenizer:
+    ``--dry-run`` checks only when the model is already there."""
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    from asyncrl.data import numbered_jsonl
+    from asyncrl.generators.engine import context_length, fits
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    tok.model_max_length = 1 << 62  # measuring here: transformers' "longer than the maximum" warning is ours to say
+    context, budget = context_length(cfg.model.path), cfg.generator.max_new_tokens
+    for path in [cfg.data.train, *([cfg.data.eval] if cfg.data.eval else [])]:
+        lines = numbered_jsonl(path)
+        lengths = [len(ids) for ids in tok([rec["prompt"] for _, rec in lines])["input_ids"]] if lines else []
+        bad = [(lineno, n) for (lineno, _), n in zip(lines, lengths, strict=True) if not fits(n, budget, context)]
+        if bad:
+            (lineno, n), more = bad[0], len(bad) - 1
+            raise UserError(
+                f"{path}:{lineno}: the prompt is {n} tokens; with generator.max_new_tokens={budget} it needs "
+                f"{n + budget}, more than the model's context of {context} tokens"
+                + (f" ({more} more lines like it)" if more else "")
+            )
 
 
 def check_model_path(model: ModelConfig) -> None:

@@ -47,7 +47,22 @@ class Sampling:
 OnUpdate = Literal["continue", "abort"]  # on_weight_update other than wait
 
 
+def context_length(model_path: str) -> int:
+    """The model's context in tokens (``max_position_embeddings``): a prompt plus its completion must
+    fit in it."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_path).max_position_embeddings)
+
+
+def fits(prompt_len: int, max_new_tokens: int, max_model_len: int) -> bool:
+    """Whether a prompt of ``prompt_len`` tokens leaves room for a full completion."""
+    return prompt_len + max_new_tokens <= max_model_len
+
+
 class Engine(abc.ABC):
+    max_model_len: int  # tokens of prompt plus completion one sequence may hold
+
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], sampling: Sampling, version: int = 0) -> list[list[Completion]]:
         """``sampling.n`` completions per prompt, all of weights ``version`` (the one served);

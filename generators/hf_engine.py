@@ -15,6 +15,7 @@ class HfEngine(Engine):
         self.dtype = getattr(torch, model.dtype)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = AutoModelForCausalLM.from_pretrained(model.path, dtype=self.dtype).eval().to(self.device)
+        self.max_model_len = int(self.model.config.max_position_embeddings)
         tok = AutoTokenizer.from_pretrained(model.path)
         self.pad_id = tok.pad_token_id
         self.eos_id = tok.eos_token_id

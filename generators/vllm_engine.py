@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.generators.engine import Completion, Engine, OnUpdate, Sampling
+from asyncrl.generators.engine import Completion, Engine, OnUpdate, Sampling, context_length
 
 if TYPE_CHECKING:
     from asyncrl.config import ModelConfig, VllmEngineConfig
@@ -55,12 +55,13 @@ class VllmEngine(Engine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.kv_cache_gb))
         from vllm import LLM
 
+        self.max_model_len = context_length(model.path)
         self.llm = LLM(
             model=model.path,
             dtype=model.dtype,
             seed=seed,
             enforce_eager=True,
-            max_model_len=_max_model_len(model.path),
+            max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
             # behaviour log-probs must be of the distribution actually sampled (temperature applied)
             logprobs_mode="processed_logprobs",
@@ -161,9 +162,3 @@ def _completion(c, version: int) -> Completion:
     tokens = list(c.token_ids)
     logprobs = [float(step[tok].logprob) for step, tok in zip(c.logprobs, tokens, strict=True)]
     return Completion(tokens, logprobs, "stop" if c.finish_reason == "stop" else "length", [version] * len(tokens))
-
-
-def _max_model_len(path: str) -> int:
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(path).max_position_embeddings)

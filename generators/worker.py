@@ -30,7 +30,7 @@ from asyncrl.buffers.base import live_groups
 from asyncrl.config import DataConfig, GeneratorConfig, RunConfig, load_config
 from asyncrl.control import RunControl, connect
 from asyncrl.data import import_by_path, load_jsonl, prompt_for_sequence
-from asyncrl.generators.engine import Engine, Sampling
+from asyncrl.generators.engine import Engine, Sampling, fits
 from asyncrl.generators.engine import setup as setup_engine
 from asyncrl.generators.weight_feed import WeightFeed
 from asyncrl.metrics import RedisSink, setup_logging
@@ -75,7 +75,12 @@ class Generator:
         heartbeat = functools.partial(control.heartbeat, "generator", ident, pid=os.getpid())
         self.feed = WeightFeed(subscriber, self.metrics, heartbeat, version=0)
         self.records = load_jsonl(data.train)
-        self.eval_records = load_jsonl(data.eval)[: data.eval_size] if data.eval else []
+        eval_records = load_jsonl(data.eval)[: data.eval_size] if data.eval else []
+        self.eval_records = [r for r in eval_records if self._fits(tokenizer.encode(r["prompt"]), gen.max_new_tokens)]
+        if len(self.eval_records) < len(eval_records):
+            log.warning(
+                "%d eval prompts do not fit the model's context: left out", len(eval_records) - len(self.eval_records)
+            )
         self.reward_fn = import_by_path(data.reward)
         self.due_evals = eval_versions(run) if gen.eval else set()
         self.sampling = Sampling(
@@ -128,10 +133,25 @@ class Generator:
             seqs.append(seq)
         return seqs
 
+    def _fits(self, prompt: list[int], max_new_tokens: int) -> bool:
+        return fits(len(prompt), max_new_tokens, self.engine.max_model_len)
+
     def generate(self, seqs: list[int]) -> list[TrajectoryGroup]:
         claims = [prompt_for_sequence(s, len(self.records), self.run_cfg.seed) for s in seqs]
         prompts = [self.tok.encode(self.records[idx]["prompt"]) for _, idx in claims]
+        keep = [i for i, p in enumerate(prompts) if self._fits(p, self.sampling.max_new_tokens)]
+        too_long = len(prompts) - len(keep)
+        if too_long:  # never an engine error: skipped, counted, their admission slots given back
+            claims, prompts = [claims[i] for i in keep], [prompts[i] for i in keep]
+            self.control.set_inflight(self.ident, len(keep))  # first: a crash in between leaks, never frees twice
+            self.buffer.release(too_long)
+            log.warning(
+                "%d prompts leave no room in the %d-token context: skipped", too_long, self.engine.max_model_len
+            )
         t0 = time.perf_counter()
+        if not prompts:
+            self.metrics.log({"generator/version": self.version, "generator/prompts_too_long": too_long})
+            return []
         mode = self.gen_cfg.engine.on_weight_update
         if mode == "wait":
             outs = self.engine.generate(prompts, self.sampling, self.version)
@@ -159,6 +179,7 @@ class Generator:
                 "generator/groups": len(groups),
                 "generator/reward_mean": float(np.mean([g.rewards.mean() for g in groups])),
                 "generator/generate_seconds": seconds,
+                "generator/prompts_too_long": too_long,
             }
         )
         return groups

@@ -1,0 +1,114 @@
+"""A prompt that leaves no room in the model's context (issue 11, defect 9): ``--dry-run`` names its file
+and line, and a generator that meets one anyway skips and counts it (its admission slot given back)
+instead of dying on every draw."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from test_config import DEMO, assert_one_line_error, asyncrl
+
+from asyncrl import buffers
+from asyncrl.config import load_config
+from asyncrl.control import RunControl, connect
+from asyncrl.demo.model import MAX_POSITIONS, build_model, build_tokenizer
+from asyncrl.generators.hf_engine import HfEngine
+from asyncrl.generators.worker import Generator
+from asyncrl.keys import run_prefix
+from asyncrl.weights import MemoryWeightBus
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    tok = build_tokenizer()
+    build_model(tok, seed=0).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def write_prompts(path, prompts: list[str]) -> str:
+    path.write_text("".join(json.dumps({"prompt": p, "target": ""}) + "\n" for p in prompts))
+    return str(path)
+
+
+def test_dry_run_names_the_first_prompt_that_does_not_fit(tmp_path, model_dir):
+    long = "sort:" + "a" * MAX_POSITIONS + "="
+    train = write_prompts(tmp_path / "train.jsonl", ["sort:cba=", "sort:ba=", long, long])
+    proc = asyncrl(
+        "launch",
+        "--config",
+        str(DEMO),
+        "--set",
+        f"model.path={model_dir}",
+        "--set",
+        "model.recipe=null",
+        "--set",
+        f"data.train={train}",
+        "--dry-run",
+    )
+    assert_one_line_error(proc, "train.jsonl:3", f"context of {MAX_POSITIONS} tokens", "1 more lines")
+
+
+def test_prompts_that_fit_pass(tmp_path, model_dir):
+    train = write_prompts(tmp_path / "train.jsonl", ["sort:cba=", "sort:ba="])
+    proc = asyncrl(
+        "launch", "--config", str(DEMO), "--set", f"model.path={model_dir}", "--set", "model.recipe=null",
+        "--set", f"data.train={train}", "--dry-run",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.redis
+def test_a_generator_skips_and_counts_a_prompt_that_does_not_fit(tmp_path, model_dir, redis_server):
+    long = "sort:" + "a" * MAX_POSITIONS + "="
+    train = write_prompts(tmp_path / "train.jsonl", ["sort:cba=", long])
+    cfg = load_config(
+        None,
+        {
+            "model.path": str(model_dir),
+            "model.recipe": None,
+            "generator.engine.type": "hf",
+            "generator.n_samples": 2,
+            "generator.max_new_tokens": 4,
+            "data.train": train,
+            "data.eval": None,
+            "learner.groups_per_step": 2,
+            "run.learners": 1,
+            "run.generators": 1,
+        },
+    )
+    prefix = run_prefix(f"long-{uuid.uuid4().hex[:8]}")
+    control = RunControl(connect(redis_server.url), prefix)
+    buffer = buffers.setup(cfg.buffer, redis_server.url, prefix)
+    engine = HfEngine(cfg.model, seed=0)
+    bus = MemoryWeightBus()
+    gen = Generator(
+        cfg.generator,
+        cfg.data,
+        cfg.run,
+        cfg.learner.groups_per_step,
+        ident="0",
+        engine=engine,
+        buffer=buffer,
+        control=control,
+        tokenizer=engine_tokenizer(model_dir),
+        subscriber=bus.subscriber("generator-0", have=0),
+    )
+    seqs = [buffer.try_start_group(0, cfg.run.max_policy_lag, 2) for _ in range(8)]
+    seqs = [s for s in seqs if s is not None]
+    groups = gen.generate(seqs)  # prompts are drawn by sequence number: some of them are the long one
+    prompts = {tuple(g.prompt_ids) for g in groups}
+    _, records = control.read_metrics()
+    skipped = sum(r.get("generator/prompts_too_long", 0) for r in records)
+    assert skipped > 0 and len(groups) == len(seqs) - skipped and len(prompts) == 1
+    assert buffer.stats()["abandoned"] == skipped  # their slots are free again
+    buffer.close()
+
+
+def engine_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
