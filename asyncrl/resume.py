@@ -33,10 +33,6 @@ class ResumePoint:
     redis_password: str | None
     committed_version: int  # 0 when no checkpoint was committed: the learners start over from the model
 
-    @property
-    def config_path(self) -> Path:
-        return self.run_dir / "config.yaml"
-
 
 def load_resume_point(run_dir: str | Path) -> ResumePoint:
     """Read a run directory for ``--resume``; one UserError naming what is missing."""
@@ -79,7 +75,15 @@ def _password(url_file: Path) -> str:
 
 
 def check_resumable(point: ResumePoint, steps: int) -> None:
-    if point.committed_version >= steps:
+    """A run that completed (its summary says so) resumes only to train further. One stopped after its
+    last commit but before its end (final evaluation, summary) resumes to finish that."""
+    if point.committed_version < steps:
+        return
+    try:
+        completed = json.loads((point.run_dir / "summary.json").read_text()).get("exit_reason") == "completed"
+    except (OSError, ValueError, AttributeError):
+        completed = False
+    if completed:
         raise UserError(
             f"{point.run_dir} is complete at version {point.committed_version}; "
             f"to train further, raise run.steps (--steps N) above it"

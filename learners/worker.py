@@ -283,6 +283,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         )
         step_end_at = time.time()
         consumer.trained(batch)
+        log.info("step %d trained %s", version + 1, " ".join(g.id for g in groups))  # lineage (scripts/chaos.py)
         control.count_staleness(stale)
         timings.time("train")
         # 4. publish

@@ -153,3 +153,46 @@ def test_a_launch_refuses_a_run_directory_whose_processes_still_run(tmp_path):
     finally:
         orphan.kill()
         orphan.wait()
+
+
+def _ended_run_dir(tmp_path, committed: int | None) -> Path:
+    run_dir = tmp_path / "ended"
+    (run_dir / "redis").mkdir(parents=True)
+    info = {"run_id": "ended-1", "prefix": "asyncrl:{ended-1}:", "launcher_pid": None, "pids": {}}
+    info["redis_dir"] = str(run_dir / "redis")
+    (run_dir / "run.json").write_text(json.dumps(info))
+    (run_dir / "config.yaml").write_text("run:\n  name: ended\n  steps: 40\n")
+    (run_dir / "redis.url").write_text("redis://:pw@127.0.0.1:1/0\n")
+    if committed is not None:
+        (run_dir / "checkpoint").mkdir()
+        (run_dir / "checkpoint" / "committed.json").write_text(json.dumps({"version": committed, "tag": "v"}))
+    return run_dir
+
+
+def test_resume_reads_the_run_directory_and_refuses_what_it_cannot_continue(tmp_path):
+    from asyncrl.errors import UserError
+    from asyncrl.resume import check_resumable, load_resume_point
+
+    point = load_resume_point(_ended_run_dir(tmp_path, committed=20))
+    assert (point.run_id, point.prefix, point.redis_password, point.committed_version) == (
+        "ended-1",
+        "asyncrl:{ended-1}:",
+        "pw",
+        20,
+    )
+    check_resumable(point, steps=40)
+    check_resumable(point, steps=20)  # committed its last version, but never finished: resume ends it
+    (point.run_dir / "summary.json").write_text(json.dumps({"exit_reason": "completed"}))
+    with pytest.raises(UserError, match="complete at version 20"):
+        check_resumable(point, steps=20)
+    with pytest.raises(UserError, match="run.json is missing"):
+        load_resume_point(tmp_path / "nowhere")
+
+
+def test_a_finished_run_resumes_only_with_more_steps(tmp_path):
+    run_dir = _ended_run_dir(tmp_path, committed=40)
+    (run_dir / "summary.json").write_text(json.dumps({"exit_reason": "completed"}))
+    proc = subprocess.run(resume_cmd(run_dir), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "complete at version 40" in proc.stderr and "--steps" in proc.stderr
+    proc = subprocess.run([*resume_cmd(run_dir), "--config", "x.yaml"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "own config.yaml" in proc.stderr
