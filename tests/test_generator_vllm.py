@@ -16,12 +16,11 @@ import torch
 
 pytest.importorskip("vllm")
 
+from generator_common import make_generator, save_tiny_model  # noqa: E402
 from weights_common import InjectingBus  # noqa: E402
 
-from asyncrl.buffers import MemoryBuffer  # noqa: E402
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.control import RunControl, connect  # noqa: E402
-from asyncrl.demo.model import build_model, build_tokenizer  # noqa: E402
 from asyncrl.generators.vllm_engine import VllmEngine, WeightReloadExtension  # noqa: E402
 from asyncrl.protocol import decode_group  # noqa: E402
 from asyncrl.weights import setup_publisher, setup_subscriber, state_dict_checksum  # noqa: E402
@@ -32,11 +31,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model")
-    tok = build_tokenizer()
-    build_model(tok, seed=0).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="module")
@@ -71,25 +66,6 @@ def engine(cfg):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     max_num_seqs = max(64, cfg.generator.groups_in_flight * cfg.generator.n_samples)
     return VllmEngine(cfg.generator.engine, cfg.model, max_num_seqs, seed=0, extension=PlainParamsExtension)
-
-
-def make_generator(cfg, engine, control, subscriber, model_dir):
-    from transformers import AutoTokenizer
-
-    from asyncrl.generators.worker import Generator
-
-    return Generator(
-        cfg.generator,
-        cfg.data,
-        cfg.run,
-        cfg.learner.groups_per_step,
-        ident="0",
-        engine=engine,
-        buffer=MemoryBuffer(),
-        control=control,
-        tokenizer=AutoTokenizer.from_pretrained(model_dir),
-        subscriber=subscriber,
-    )
 
 
 def learner_logprobs(state_dict, model_dir, prompt, tokens):

@@ -8,25 +8,21 @@ import json
 import uuid
 
 import pytest
+from generator_common import make_generator, save_tiny_model
 from test_config import DEMO, assert_one_line_error, asyncrl
 
 from asyncrl import buffers
 from asyncrl.config import load_config
 from asyncrl.control import RunControl, connect
-from asyncrl.demo.model import MAX_POSITIONS, build_model, build_tokenizer
+from asyncrl.demo.model import MAX_POSITIONS
 from asyncrl.generators.hf_engine import HfEngine
-from asyncrl.generators.worker import Generator
 from asyncrl.keys import run_prefix
 from asyncrl.weights import MemoryWeightBus
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model")
-    tok = build_tokenizer()
-    build_model(tok, seed=0).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_model(tmp_path_factory.mktemp("model"))
 
 
 def write_prompts(path, prompts: list[str]) -> str:
@@ -84,19 +80,7 @@ def test_a_generator_skips_and_counts_a_prompt_that_does_not_fit(tmp_path, model
     control = RunControl(connect(redis_server.url), prefix)
     buffer = buffers.setup(cfg.buffer, redis_server.url, prefix)
     engine = HfEngine(cfg.model, seed=0)
-    bus = MemoryWeightBus()
-    gen = Generator(
-        cfg.generator,
-        cfg.data,
-        cfg.run,
-        cfg.learner.groups_per_step,
-        ident="0",
-        engine=engine,
-        buffer=buffer,
-        control=control,
-        tokenizer=engine_tokenizer(model_dir),
-        subscriber=bus.subscriber("generator-0", have=0),
-    )
+    gen = make_generator(cfg, engine, control, MemoryWeightBus().subscriber("generator-0", have=0), model_dir, buffer)
     seqs = [buffer.try_start_group(0, cfg.run.max_policy_lag, 2) for _ in range(8)]
     seqs = [s for s in seqs if s is not None]
     groups = gen.generate(seqs)  # prompts are drawn by sequence number: some of them are the long one
@@ -106,9 +90,3 @@ def test_a_generator_skips_and_counts_a_prompt_that_does_not_fit(tmp_path, model
     assert skipped > 0 and len(groups) == len(seqs) - skipped and len(prompts) == 1
     assert buffer.stats()["abandoned"] == skipped  # their slots are free again
     buffer.close()
-
-
-def engine_tokenizer(path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
