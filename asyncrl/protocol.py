@@ -2,16 +2,23 @@
 
 A trajectory group (one prompt, ``n`` samples) travels as one msgpack map::
 
-    {"schema": "asyncrl.traj", "schema_version": 1,
+    {"schema": "asyncrl.traj", "schema_version": 2,
      "id": str,              # unique per group; duplicates are ignored by the buffer
      "producer": str,        # generator id, for dead letters and status
      "prompt_index": int, "epoch": int,
      "prompt_ids": <array int32 (P,)>,
-     "samples": [{"tokens": <array int32 (T,)>,     # response token ids
-                  "logprobs": <array float32 (T,)>, # behaviour log pi_mu(a_t | s_t), as sampled
-                  "versions": <array int32 (T,)>,   # policy version that produced each token
-                  "reward": float, "finish_reason": str}, ...],
+     "samples": [{"tokens": <array int32 (T,)>,     # everything after the prompt, every turn
+                  "mask": <array uint8 (T,)>,       # 1: sampled by the policy; 0: environment / tool
+                  "logprobs": <array float32 (T,)>, # behaviour log pi_mu(a_t | s_t) at mask 1; 0 at mask 0
+                  "versions": <array int32 (T,)>,   # version that produced each mask-1 token; -1 at mask 0
+                  "reward": float, "finish_reason": str,
+                  "status": str,                    # "ok", or why the episode failed
+                  "turns": int}, ...],              # model turns in the episode (1: single-turn)
      "created_at": float}
+
+Environment tokens (mask 0) are context only: no gradient, not counted in any token total, no
+version. A sample has at least one model token; a group's version is the oldest MODEL token's.
+Version 1 frames (no ``mask``, ``status``, ``turns``: every token the model's) are still read.
 
 Arrays are maps ``{"dtype": str, "shape": [..], "data": bytes}`` (little-endian raw bytes).
 """
@@ -29,7 +36,9 @@ import numpy as np
 from asyncrl.staleness import trajectory_version
 
 TRAJ_SCHEMA = "asyncrl.traj"
-TRAJ_SCHEMA_VERSION = 1
+TRAJ_SCHEMA_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # a learner still reads frames of the previous version
+ENV_VERSION = -1  # the version recorded on environment tokens
 _ALLOWED_DTYPES = {"int32", "int64", "float32", "float64", "uint8"}
 
 
@@ -60,11 +69,23 @@ def unpack_array(obj: dict) -> np.ndarray:
 
 @dataclasses.dataclass
 class Sample:
-    tokens: np.ndarray  # (T,) int32 response token ids
-    logprobs: np.ndarray  # (T,) float32 behaviour log-probs of the sampled tokens
-    versions: np.ndarray  # (T,) int32 policy version that produced each token
+    tokens: np.ndarray  # (T,) int32 token ids after the prompt (model and environment turns)
+    logprobs: np.ndarray  # (T,) float32 behaviour log-probs of the sampled tokens (0 at mask 0)
+    versions: np.ndarray  # (T,) int32 policy version that produced each token (-1 at mask 0)
     reward: float
     finish_reason: str = "stop"
+    mask: np.ndarray | None = None  # (T,) uint8 1 = sampled by the policy, 0 = environment; None: all 1
+    status: str = "ok"
+    turns: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mask is None:
+            self.mask = np.ones(len(self.tokens), dtype=np.uint8)
+
+    @property
+    def model_versions(self) -> np.ndarray:
+        """(M,) the versions of the model tokens."""
+        return self.versions[self.mask.astype(bool)]
 
 
 @dataclasses.dataclass
@@ -79,8 +100,8 @@ class TrajectoryGroup:
 
     @property
     def version(self) -> int:
-        """The oldest policy version among all tokens of all samples (the lag bound uses this)."""
-        return min(trajectory_version(s.versions) for s in self.samples if len(s.versions))
+        """The oldest policy version among the model tokens of all samples (the lag bound uses this)."""
+        return min(trajectory_version(s.model_versions) for s in self.samples if len(s.model_versions))
 
     @property
     def rewards(self) -> np.ndarray:
@@ -88,7 +109,8 @@ class TrajectoryGroup:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.samples)
+        """Model tokens of all samples (environment tokens are not the policy's output)."""
+        return sum(int(s.mask.sum()) for s in self.samples)
 
 
 def encode_group(group: TrajectoryGroup) -> bytes:
@@ -104,10 +126,13 @@ def encode_group(group: TrajectoryGroup) -> bytes:
             "samples": [
                 {
                     "tokens": pack_array(s.tokens.astype(np.int32)),
+                    "mask": pack_array(s.mask.astype(np.uint8)),
                     "logprobs": pack_array(s.logprobs.astype(np.float32)),
                     "versions": pack_array(s.versions.astype(np.int32)),
                     "reward": float(s.reward),
                     "finish_reason": s.finish_reason,
+                    "status": s.status,
+                    "turns": int(s.turns),
                 }
                 for s in group.samples
             ],
@@ -125,10 +150,11 @@ def decode_group(frame: bytes) -> TrajectoryGroup:
         raise ProtocolError(f"not msgpack: {type(exc).__name__}") from None
     if not isinstance(obj, dict) or obj.get("schema") != TRAJ_SCHEMA:
         raise ProtocolError("not an asyncrl.traj frame")
-    if obj.get("schema_version") != TRAJ_SCHEMA_VERSION:
-        raise ProtocolError(f"unknown schema version {obj.get('schema_version')!r}")
+    schema_version = obj.get("schema_version")
+    if type(schema_version) is not int or schema_version not in _READABLE_VERSIONS:
+        raise ProtocolError(f"unknown schema version {schema_version!r}")
     try:
-        samples = [_decode_sample(s) for s in obj["samples"]]
+        samples = [_decode_sample(s, schema_version) for s in obj["samples"]]
         group = TrajectoryGroup(
             prompt_ids=unpack_array(obj["prompt_ids"]),
             samples=samples,
@@ -147,18 +173,32 @@ def decode_group(frame: bytes) -> TrajectoryGroup:
     return group
 
 
-def _decode_sample(obj: dict) -> Sample:
+def _decode_sample(obj: dict, schema_version: int) -> Sample:
+    tokens = unpack_array(obj["tokens"])
     s = Sample(
-        tokens=unpack_array(obj["tokens"]),
+        tokens=tokens,
         logprobs=unpack_array(obj["logprobs"]),
         versions=unpack_array(obj["versions"]),
         reward=float(obj["reward"]),
         finish_reason=str(obj.get("finish_reason", "stop")),
+        mask=unpack_array(obj["mask"]) if schema_version >= 2 else None,
+        status=str(obj["status"]) if schema_version >= 2 else "ok",
+        turns=int(obj["turns"]) if schema_version >= 2 else 1,
     )
-    if not (s.tokens.shape == s.logprobs.shape == s.versions.shape) or s.tokens.ndim != 1:
-        raise ProtocolError(f"inconsistent sample shapes {s.tokens.shape}, {s.logprobs.shape}, {s.versions.shape}")
+    shapes = (s.tokens.shape, s.mask.shape, s.logprobs.shape, s.versions.shape)
+    if len(set(shapes)) != 1 or s.tokens.ndim != 1:
+        raise ProtocolError(f"inconsistent sample shapes {', '.join(map(str, shapes))}")
     if len(s.tokens) == 0:
         raise ProtocolError("empty response")
     if not np.all(np.isfinite(s.logprobs)) or not math.isfinite(s.reward):
         raise ProtocolError("non-finite log-prob or reward")
+    model = s.mask == 1
+    if not np.all(model | (s.mask == 0)):
+        raise ProtocolError("mask values other than 0 and 1")
+    if not model.any():
+        raise ProtocolError("no model tokens")
+    if np.any(s.versions[model] < 0) or np.any(s.versions[~model] != ENV_VERSION):
+        raise ProtocolError("versions must be >= 0 on model tokens and -1 on environment tokens")
+    if s.turns < 1:
+        raise ProtocolError(f"turns must be >= 1, got {s.turns}")
     return s

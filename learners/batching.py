@@ -52,36 +52,42 @@ def sequence_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> 
     return torch.gather(logp, dim=-1, index=targets).squeeze(-1)
 
 
-def pad_batch(sequences: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], pad_id: int) -> dict[str, Tensor]:
-    """Right-pad (prompt_ids (P,), response_ids (T,), behaviour_logprobs (T,)) triples into tensors.
+def pad_batch(sequences: Sequence[tuple], pad_id: int) -> dict[str, Tensor]:
+    """Right-pad (prompt_ids (P,), response_ids (T,), behaviour_logprobs (T,)[, model_mask (T,)]) into
+    tensors.
 
     Returns ``input_ids`` (B, L) int64 = prompt ++ response ++ pad, ``attention_mask`` (B, L) int64,
     and, aligned with ``sequence_logprobs`` output (position j predicts token j + 1):
-    ``response_mask`` (B, L-1) float32, 1.0 at j = P-1 .. P+T-2 (the next token is response token
-    j - P + 1), and ``behaviour_logprobs`` (B, L-1) float32 with behaviour_logprobs[P - 1 + t] = mu_t
-    and 0 elsewhere. Each prompt needs P >= 1 (the first response token is predicted from it).
-    Right padding keeps default position ids (0..len-1) correct for causal LMs.
+    ``response_mask`` (B, L-1) float32, at j = P-1 .. P+T-2 (the next token is response token
+    j - P + 1) the token's model mask (1.0 without one; 0.0 for environment tokens, which are context
+    only: no gradient, no count), 0.0 elsewhere; and ``behaviour_logprobs`` (B, L-1) float32 with
+    behaviour_logprobs[P - 1 + t] = mu_t on model tokens and 0 elsewhere. Each prompt needs P >= 1
+    (the first response token is predicted from it). Right padding keeps default position ids
+    (0..len-1) correct for causal LMs.
     """
     if not sequences:
         raise ValueError("pad_batch needs at least one sequence")
-    for i, (prompt, response, blp) in enumerate(sequences):
+    for i, (prompt, response, blp, *mask) in enumerate(sequences):
         if len(prompt) < 1:
             raise ValueError(f"sequence {i}: empty prompt (the first response token needs a context)")
         if len(response) != len(blp):
             raise ValueError(f"sequence {i}: {len(response)} response tokens but {len(blp)} logprobs")
-    length = max(2, max(len(p) + len(r) for p, r, _ in sequences))
+        if mask and len(mask[0]) != len(response):
+            raise ValueError(f"sequence {i}: {len(response)} response tokens but a mask of {len(mask[0])}")
+    length = max(2, max(len(seq[0]) + len(seq[1]) for seq in sequences))
     b = len(sequences)
     input_ids = torch.full((b, length), pad_id, dtype=torch.int64)
     attention_mask = torch.zeros((b, length), dtype=torch.int64)
     response_mask = torch.zeros((b, length - 1), dtype=torch.float32)
     behaviour = torch.zeros((b, length - 1), dtype=torch.float32)
-    for i, (prompt, response, blp) in enumerate(sequences):
+    for i, (prompt, response, blp, *mask) in enumerate(sequences):
         p, t = len(prompt), len(response)
+        model = np.asarray(mask[0], dtype=np.float32) if mask else np.ones(t, dtype=np.float32)
         ids = np.concatenate([np.asarray(prompt), np.asarray(response)]).astype(np.int64)
         input_ids[i, : p + t] = torch.from_numpy(ids)
         attention_mask[i, : p + t] = 1
-        response_mask[i, p - 1 : p - 1 + t] = 1.0
-        behaviour[i, p - 1 : p - 1 + t] = torch.from_numpy(np.asarray(blp, dtype=np.float32))
+        response_mask[i, p - 1 : p - 1 + t] = torch.from_numpy(model)
+        behaviour[i, p - 1 : p - 1 + t] = torch.from_numpy(np.asarray(blp, dtype=np.float32) * model)
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,

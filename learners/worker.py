@@ -72,7 +72,7 @@ def make_batch(groups: list[TrajectoryGroup], max_len: int, preset: Preset, pad_
 
     ``max_len`` is the generation limit (``generator.max_new_tokens``): the DAPO overlong penalty's scale.
     """
-    seqs = [(g.prompt_ids, s.tokens, s.logprobs) for g in groups for s in g.samples]
+    seqs = [(g.prompt_ids, s.tokens, s.logprobs, s.mask) for g in groups for s in g.samples]
     batch = pad_batch(seqs, pad_id)
     # 1.0 where a response token was produced by the version this learner holds (for the mismatch metric)
     same = torch.zeros_like(batch["response_mask"])
@@ -213,7 +213,7 @@ def step_sums(groups: list[TrajectoryGroup], batch: Batch, stale: list[int], mis
         "mismatch_tokens": mismatch[1],
         "reward_sum": sum(s.reward for s in samples),
         "samples": len(samples),
-        "tokens": sum(len(s.tokens) for s in samples),
+        "tokens": sum(int(s.mask.sum()) for s in samples),  # model tokens: environment ones are context
     }
 
 

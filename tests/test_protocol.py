@@ -37,14 +37,21 @@ def _ints(n: int, hi: int) -> st.SearchStrategy[np.ndarray]:
 
 @st.composite
 def samples(draw) -> Sample:
+    """Model tokens with environment tokens (mask 0, version -1, log-prob 0) anywhere but everywhere."""
     t = draw(st.integers(1, 12))
-    logprobs = st.lists(st.floats(-1e4, 0.0, width=32), min_size=t, max_size=t)
+    logprobs = np.array(draw(st.lists(st.floats(-1e4, 0.0, width=32), min_size=t, max_size=t)), np.float32)
+    mask = np.array(draw(st.lists(st.sampled_from([0, 1]), min_size=t, max_size=t)), np.uint8)
+    mask[draw(st.integers(0, t - 1))] = 1  # at least one model token
+    versions = np.where(mask == 1, draw(_ints(t, 10_000)), -1).astype(np.int32)
     return Sample(
         tokens=draw(_ints(t, 2**31 - 1)),
-        logprobs=np.array(draw(logprobs), np.float32),
-        versions=draw(_ints(t, 10_000)),
+        logprobs=np.where(mask == 1, logprobs, 0.0).astype(np.float32),
+        versions=versions,
         reward=draw(st.floats(allow_nan=False, allow_infinity=False)),
         finish_reason=draw(st.sampled_from(["stop", "length", "error"]) | _text),
+        mask=mask,
+        status=draw(st.sampled_from(["ok", "timeout", "env_error"])),
+        turns=draw(st.integers(1, 50)),
     )
 
 
@@ -95,12 +102,17 @@ def test_round_trip(group: TrajectoryGroup) -> None:
     np.testing.assert_array_equal(back.prompt_ids, group.prompt_ids)
     assert len(back.samples) == len(group.samples)
     for got, want in zip(back.samples, group.samples, strict=True):
-        for name in ("tokens", "logprobs", "versions"):
+        for name in ("tokens", "mask", "logprobs", "versions"):
             a, b = getattr(got, name), getattr(want, name)
             assert a.dtype == b.dtype and a.shape == b.shape
             np.testing.assert_array_equal(a, b)
-        assert (got.reward, got.finish_reason) == (want.reward, want.finish_reason)
-    assert back.version == min(int(s.versions.min()) for s in group.samples)
+        assert (got.reward, got.finish_reason, got.status, got.turns) == (
+            want.reward,
+            want.finish_reason,
+            want.status,
+            want.turns,
+        )
+    assert back.version == min(int(s.versions[s.mask == 1].min()) for s in group.samples)  # model tokens only
     assert back.num_tokens == group.num_tokens
     np.testing.assert_array_equal(back.rewards, group.rewards)
 
@@ -120,6 +132,50 @@ def test_array_round_trip(arr: np.ndarray) -> None:
 
 def test_group_version_is_the_oldest_token() -> None:
     assert _group().version == 2
+
+
+def test_environment_tokens_have_no_version_and_count_nothing() -> None:
+    sample = Sample(
+        tokens=np.array([5, 6, 7, 8], np.int32),
+        logprobs=np.array([-0.1, 0.0, 0.0, -0.3], np.float32),
+        versions=np.array([4, -1, -1, 3], np.int32),
+        reward=1.0,
+        mask=np.array([1, 0, 0, 1], np.uint8),
+        turns=2,
+    )
+    group = decode_group(encode_group(_group(samples=[sample])))
+    assert group.version == 3 and group.num_tokens == 2 and group.samples[0].turns == 2
+
+
+def test_a_version_1_frame_is_still_read_as_all_model_tokens() -> None:
+    def to_v1(obj: dict) -> None:
+        obj["schema_version"] = 1
+        for s in obj["samples"]:
+            for field in ("mask", "status", "turns"):
+                del s[field]
+
+    group = decode_group(_mutated(to_v1))
+    assert group.samples[0].mask.tolist() == [1, 1, 1] and group.samples[0].status == "ok"
+    assert group.version == 2 and group.num_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "mask, versions, match",
+    [
+        ([0, 0, 0], [-1, -1, -1], "no model tokens"),
+        ([1, 2, 1], [2, 2, 3], "mask values"),
+        ([1, 0, 1], [2, 2, 3], "-1 on environment tokens"),
+        ([1, 1, 1], [2, -1, 3], ">= 0 on model tokens"),
+        ([1, 1], [2, 2, 3], "inconsistent sample shapes"),
+    ],
+)
+def test_rejects_inconsistent_masks(mask, versions, match) -> None:
+    def mutate(obj: dict) -> None:
+        _set_array(obj["samples"][0]["mask"], np.array(mask, np.uint8))
+        _set_array(obj["samples"][0]["versions"], np.array(versions, np.int32))
+
+    with pytest.raises(ProtocolError, match=match):
+        decode_group(_mutated(mutate))
 
 
 # ----- rejections -------------------------------------------------------------------------------
