@@ -12,13 +12,13 @@
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncrl.status import pid_alive
+from asyncrl.errors import UserError
+from asyncrl.status import pid_alive, read_run_info
 
 _PR_SET_PDEATHSIG = 1
 try:  # resolved here, in the parent: a child between fork and exec should only make the call
@@ -46,8 +46,8 @@ def live_processes(run_dir: Path) -> dict[str, int]:
     """``{name: pid}`` of the processes that ``run_dir/run.json`` names and that still run: the launcher,
     redis-server and every child of the launch that owns the directory."""
     try:
-        info = json.loads((Path(run_dir) / "run.json").read_text())
-    except (OSError, ValueError):
+        info = read_run_info(Path(run_dir))
+    except UserError:  # no run there, or not one this code wrote: nobody to wait for
         return {}
     if not isinstance(info, dict):
         return {}

@@ -174,9 +174,8 @@ def decode_group(frame: bytes) -> TrajectoryGroup:
 
 
 def _decode_sample(obj: dict, schema_version: int) -> Sample:
-    tokens = unpack_array(obj["tokens"])
     s = Sample(
-        tokens=tokens,
+        tokens=unpack_array(obj["tokens"]),
         logprobs=unpack_array(obj["logprobs"]),
         versions=unpack_array(obj["versions"]),
         reward=float(obj["reward"]),

@@ -20,6 +20,7 @@ from urllib.parse import unquote, urlsplit
 
 from asyncrl.errors import UserError
 from asyncrl.learners.checkpoint import read_committed
+from asyncrl.status import read_run_info
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +42,12 @@ def load_resume_point(run_dir: str | Path) -> ResumePoint:
     for path in (info_path, config_path):
         if not path.is_file():
             raise UserError(f"cannot resume {run_dir}: {path.name} is missing (is it a run directory?)")
+    info = read_run_info(run_dir)
     try:
-        info = json.loads(info_path.read_text())
         run_id, prefix = str(info["run_id"]), str(info["prefix"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"cannot resume {run_dir}: run.json is unreadable ({exc})") from None
-    redis_dir = Path(info["redis_dir"]) if info.get("redis_dir") else None
+        redis_dir = Path(info["redis_dir"]) if info.get("redis_dir") else None
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise UserError(f"cannot resume {run_dir}: run.json is unreadable ({exc!r})") from None
     password = None
     if redis_dir is not None:
         if not redis_dir.is_dir():

@@ -76,10 +76,11 @@ class Generator:
         self.feed = WeightFeed(subscriber, self.metrics, heartbeat, version=0)
         self.records = load_jsonl(data.train)
         eval_records = load_jsonl(data.eval)[: data.eval_size] if data.eval else []
-        self.eval_records = [r for r in eval_records if self._fits(tokenizer.encode(r["prompt"]), gen.max_new_tokens)]
-        if len(self.eval_records) < len(eval_records):
+        encoded = [(r, tokenizer.encode(r["prompt"])) for r in eval_records]
+        self.eval_set = [(r, ids) for r, ids in encoded if self._fits(ids, gen.max_new_tokens)]  # encoded once
+        if len(self.eval_set) < len(eval_records):
             log.warning(
-                "%d eval prompts do not fit the model's context: left out", len(eval_records) - len(self.eval_records)
+                "%d eval prompts do not fit the model's context: left out", len(eval_records) - len(self.eval_set)
             )
         self.reward_fn = import_by_path(data.reward)
         self.due_evals = eval_versions(run) if gen.eval else set()
@@ -100,16 +101,15 @@ class Generator:
         self.feed.apply(self.engine, timeout_ms)
 
     def maybe_evaluate(self) -> None:
-        if self.version not in self.due_evals or not self.eval_records:
+        if self.version not in self.due_evals or not self.eval_set:
             return
         self.due_evals.discard(self.version)
         if not self.control.claim_once(f"eval:{self.version}"):
             return
         t0 = time.perf_counter()
-        prompts = [self.tok.encode(r["prompt"]) for r in self.eval_records]
         greedy = Sampling(n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.sampling.max_new_tokens)
-        outs = self.engine.generate(prompts, greedy, self.version)
-        rewards = [self._score(r, o[0].tokens) for r, o in zip(self.eval_records, outs, strict=True)]
+        outs = self.engine.generate([ids for _, ids in self.eval_set], greedy, self.version)
+        rewards = [self._score(r, o[0].tokens) for (r, _), o in zip(self.eval_set, outs, strict=True)]
         record = {
             "eval/version": self.version,
             "eval/reward_mean": float(np.mean(rewards)),
@@ -148,10 +148,10 @@ class Generator:
             log.warning(
                 "%d prompts leave no room in the %d-token context: skipped", too_long, self.engine.max_model_len
             )
-        t0 = time.perf_counter()
         if not prompts:
             self.metrics.log({"generator/version": self.version, "generator/prompts_too_long": too_long})
             return []
+        t0 = time.perf_counter()
         mode = self.gen_cfg.engine.on_weight_update
         if mode == "wait":
             outs = self.engine.generate(prompts, self.sampling, self.version)

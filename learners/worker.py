@@ -302,11 +302,12 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
             metrics.log({**record, "time/step_end_at": step_end_at})
         # 5. commit
         if commit_due(cfg.learner, version + 1, cfg.run.steps):
-            t_commit = time.perf_counter()
+            timings.reset()  # the step's phases are logged: the commit is timed on its own
             save_checkpoint(engine, ckpt_dir, version + 1, consumer.checkpoint_state(), critic=models.critic)
             consumer.commit()
+            timings.time("commit")
             if rank == 0:
-                metrics.log({"checkpoint/version": version + 1, "checkpoint/seconds": time.perf_counter() - t_commit})
+                metrics.log({"checkpoint/version": version + 1, "checkpoint/seconds": timings.seconds["commit"]})
         elif cfg.learner.checkpoint_every == 0 and not cfg.learner.checkpoint:
             consumer.commit()  # nothing to resume from: a step is the only commit point there is
         control.heartbeat("learner", str(rank), version=version + 1, pid=os.getpid())
