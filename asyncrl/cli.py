@@ -130,6 +130,40 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _reward_serve_parser(sub) -> None:
+    p = sub.add_parser("reward-serve", help="serve a reward function over HTTP from worker processes")
+    p.add_argument("--reward", required=True, metavar="MODULE:FUNCTION", help="the reward function to serve")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one; the URL is printed)")
+    p.add_argument("--workers", type=int, help="worker processes (default: one per CPU)")
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=20.0,
+        help="hard limit of one item; a worker past it is killed and replaced (keep it under the clients' "
+        "data.reward_timeout_s)",
+    )
+    p.add_argument(
+        "--token-file",
+        help="file holding the bearer token (made, mode 600, if missing); default: $ASYNCRL_REWARD_TOKEN, "
+        "else a new temporary file",
+    )
+    p.set_defaults(func=cmd_reward_serve)
+
+
+def cmd_reward_serve(args) -> int:
+    from asyncrl.reward_serve import serve
+
+    return serve(
+        args.reward,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        deadline_s=args.deadline_s,
+        token_file=args.token_file,
+    )
+
+
 def cmd_prepare_demo(args) -> int:
     from asyncrl.config import load_config
     from asyncrl.preflight import ensure_model
@@ -146,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     _launch_parser(sub)
     _status_parser(sub)
+    _reward_serve_parser(sub)
     p = sub.add_parser("prepare-demo", help="build (once) the demo model named by a config")
     p.add_argument("--config", default="configs/demo-cpu.yaml")
     p.set_defaults(func=cmd_prepare_demo)

@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, model_validator
+from pydantic import Discriminator, Field, PrivateAttr, Tag, ValidationError, model_validator
 
 from asyncrl.errors import UserError
+from asyncrl.sections import EpisodeConfig, Section
 
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_Section = Section
 
 
 def _type_or(default: str):
@@ -69,12 +68,16 @@ class RunConfig(_Section):
 
 
 # Where each model recipe builds (and caches) its model.
-RECIPE_PATHS = {"demo-sort": ".cache/models/demo-sort"}
+RECIPE_PATHS = {
+    "demo-sort": ".cache/models/demo-sort",
+    "demo-calc": ".cache/models/demo-calc",
+    "demo-guess": ".cache/models/demo-guess",
+}
 
 
 class ModelConfig(_Section):
     path: str = Field(".cache/models/demo-sort", description="HF model directory (config, weights, tokenizer).")
-    recipe: Literal["demo-sort"] | None = Field(
+    recipe: Literal["demo-sort", "demo-calc", "demo-guess"] | None = Field(
         "demo-sort",
         description="Build the model with this recipe when `path` is the recipe's own cache directory "
         "(.cache/models/<recipe>) and has no model yet (the demo's SFT warm-up); any other missing path "
@@ -155,8 +158,11 @@ class GeneratorConfig(_Section):
     )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling cutoff.")
     max_new_tokens: int = Field(16, ge=1, description="Response length limit in tokens.")
-    groups_in_flight: int = Field(
-        4, ge=1, description="Groups a generator claims and generates together in one engine call."
+    episodes_in_flight: int = Field(
+        32,
+        ge=1,
+        description="Episodes a generator runs concurrently (whole groups: this // n_samples groups, at least "
+        "one); each submits its turns to the engine as it needs them.",
     )
     eval: bool = Field(True, description="Generators run the greedy held-out evaluations.")
 
@@ -348,6 +354,7 @@ class Config(_Section):
     data: DataConfig = DataConfig()
     buffer: BufferConfig = Field(RedisBufferConfig(), description="Trajectory buffer.")
     generator: GeneratorConfig = GeneratorConfig()
+    episode: EpisodeConfig = EpisodeConfig()
     learner: LearnerConfig = LearnerConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     weights: WeightsConfig = Field(ZmqWeightsConfig(), description="Weight bus from learner rank 0 to the generators.")
@@ -381,6 +388,7 @@ MOVED = {
     "generator.kv_cache_gb": "generator.engine.kv_cache_gb",
     "generator.on_weight_update": "generator.engine.on_weight_update",
     "weights.transport": "weights.type",
+    "generator.groups_in_flight": "generator.episodes_in_flight (groups x n_samples)",
     "weights.shm_dir": "weights.dir (with weights.type: shm)",
     "weights.shm_verify": "weights.verify (with weights.type: shm)",
     "weights.collective_timeout_s": "weights.timeout_s (with weights.type: nccl)",

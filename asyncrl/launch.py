@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.buffers.base import lost_groups
+from asyncrl.buffers.base import lost_groups, unfinished_groups
 from asyncrl.config import Config, dump_config
 from asyncrl.control import RunControl, connect
 from asyncrl.errors import UserError
@@ -317,7 +317,7 @@ class Launcher:
         except Exception as exc:  # the summary must be written even when the buffer is gone
             self.log(f"buffer statistics unavailable at the end: {exc}")
             return None
-        return {**counts, "lost": lost_groups(counts)}
+        return {**counts, "lost": lost_groups(counts), "unfinished": unfinished_groups(counts)}
 
     def log(self, message: str) -> None:
         if self.console is not None:
@@ -397,6 +397,9 @@ class Launcher:
                 self.check_redis()  # first: every client of the run waits on it, the launcher too
                 self.stats.drain(control, on_eval=self.log)
                 progress.update(self.stats)
+                fatal = control.get_meta("fatal")
+                if fatal is not None:  # a generator's failure limit: the run trains on nothing
+                    raise UserError(f"{fatal} (see {self.run_dir / 'logs'})")
                 if learners_done_at is None and self.check_children(control) == "learners_done":
                     learners_done_at = time.monotonic()
                 if learners_done_at is not None:

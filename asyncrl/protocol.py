@@ -17,7 +17,10 @@ A trajectory group (one prompt, ``n`` samples) travels as one msgpack map::
      "created_at": float}
 
 Environment tokens (mask 0) are context only: no gradient, not counted in any token total, no
-version. A sample has at least one model token; a group's version is the oldest MODEL token's.
+version. A sample whose status is ``ok`` has at least one model token; a group's version is the
+oldest MODEL token's. A sample of another status is a failed episode kept under
+``episode.failure_policy: zero_sample``: it may be empty, its reward means nothing, and the learner
+leaves it out (:meth:`TrajectoryGroup.trainable`); a group has at least one ``ok`` sample.
 Version 1 frames (no ``mask``, ``status``, ``turns``: every token the model's) are still read.
 
 Arrays are maps ``{"dtype": str, "shape": [..], "data": bytes}`` (little-endian raw bytes).
@@ -103,6 +106,12 @@ class TrajectoryGroup:
         """The oldest policy version among the model tokens of all samples (the lag bound uses this)."""
         return min(trajectory_version(s.model_versions) for s in self.samples if len(s.model_versions))
 
+    def trainable(self) -> TrajectoryGroup:
+        """This group with only its ``ok`` samples: failed episodes take part in nothing the learner
+        computes (advantages, losses, counts)."""
+        ok = [s for s in self.samples if s.status == "ok"]
+        return self if len(ok) == len(self.samples) else dataclasses.replace(self, samples=ok)
+
     @property
     def rewards(self) -> np.ndarray:
         return np.array([s.reward for s in self.samples], dtype=np.float64)
@@ -168,8 +177,8 @@ def decode_group(frame: bytes) -> TrajectoryGroup:
         raise
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"missing or mistyped field: {exc}") from None
-    if not samples:
-        raise ProtocolError("group has no samples")
+    if not any(s.status == "ok" for s in samples):
+        raise ProtocolError("group has no ok samples")
     return group
 
 
@@ -187,17 +196,15 @@ def _decode_sample(obj: dict, schema_version: int) -> Sample:
     shapes = (s.tokens.shape, s.mask.shape, s.logprobs.shape, s.versions.shape)
     if len(set(shapes)) != 1 or s.tokens.ndim != 1:
         raise ProtocolError(f"inconsistent sample shapes {', '.join(map(str, shapes))}")
-    if len(s.tokens) == 0:
-        raise ProtocolError("empty response")
     if not np.all(np.isfinite(s.logprobs)) or not math.isfinite(s.reward):
         raise ProtocolError("non-finite log-prob or reward")
     model = s.mask == 1
     if not np.all(model | (s.mask == 0)):
         raise ProtocolError("mask values other than 0 and 1")
-    if not model.any():
-        raise ProtocolError("no model tokens")
+    if s.status == "ok" and not model.any():
+        raise ProtocolError("an ok sample without model tokens" if len(s.tokens) else "empty response")
     if np.any(s.versions[model] < 0) or np.any(s.versions[~model] != ENV_VERSION):
         raise ProtocolError("versions must be >= 0 on model tokens and -1 on environment tokens")
-    if s.turns < 1:
+    if s.turns < (1 if s.status == "ok" else 0):
         raise ProtocolError(f"turns must be >= 1, got {s.turns}")
     return s

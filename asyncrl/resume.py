@@ -96,6 +96,7 @@ def reset_for_resume(control, buffer, eval_versions_done: set[int]) -> dict[str,
     control.clear_stop()
     control.forget_meta("weights_address")
     control.forget_meta("final_version")
+    control.forget_meta("fatal")  # a run stopped by its failure limit gets another chance
     control.forget_heartbeats()
     unpushed = control.take_all_inflight()
     if unpushed:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import time
@@ -73,6 +74,8 @@ class RunStats:
         self.last_step_at: tuple[float, int] | None = None
         self.wall_offset = 0.0
         self.evals: dict[int, float] = {}
+        self.episodes = 0  # episodes generators finished (each report counts its own)
+        self.failures: collections.Counter[str] = collections.Counter()  # failed episodes by cause
         self.error: str | None = None
         self.buffer: dict | None = None  # the buffer's counters at the end (pushed, trained, ..., lost)
         self.restarts: dict[str, int] = {}
@@ -133,6 +136,15 @@ class RunStats:
             point = (wall + self.wall_offset, self.samples)
             self.first_step_at = self.first_step_at or point
             self.last_step_at = point
+        if "episodes/done" in record:
+            done = int(record["episodes/done"])
+            causes = {
+                k.removeprefix("episodes/failed_"): int(v)
+                for k, v in record.items()
+                if k.startswith("episodes/failed_")
+            }
+            self.episodes += done
+            self.failures.update(causes)
         if "eval/reward_mean" in record:
             self.evals[int(record["eval/version"])] = float(record["eval/reward_mean"])
             if on_eval is not None:
@@ -168,6 +180,8 @@ class RunStats:
             "samples_trained": self.samples,
             "dropped_stale": self.dropped_stale,
             "evals": {str(k): v for k, v in sorted(self.evals.items())},
+            "episodes": self.episodes,
+            "episodes_failed": dict(sorted(self.failures.items())),
             "weights_sync_seconds": _quantiles(self.sync_seconds),
             "buffer": self.buffer,
             "restarts": self.restarts,
@@ -182,6 +196,11 @@ class RunStats:
         summary = self.summary(exit_reason)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def _top(counts: collections.Counter, n: int = 2) -> str:
+    """``cause N, cause M``: the most frequent causes."""
+    return ", ".join(f"{cause} {k}" for cause, k in counts.most_common(n))
 
 
 def _quantiles(values: list[float]) -> dict | None:
@@ -229,6 +248,8 @@ class Progress:
             f"reward {reward}  staleness {stats.staleness_mean:.2f} (max {stats.max_staleness_seen})  "
             f"{'-' if rate is None else f'{rate:.0f}'} samples/s"
         )
+        if stats.failures:
+            info += f"  [red]failed {sum(stats.failures.values())}[/] ({_top(stats.failures)})"
         self._progress.update(self._task, completed=stats.version, info=info)
 
     def __exit__(self, *exc) -> None:

@@ -31,7 +31,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from asyncrl.buffers.base import DEAD_MAX_ENTRIES, STAT_KEYS, BufferUnavailableError, live_groups, lost_groups
+from asyncrl.buffers.base import (
+    DEAD_MAX_ENTRIES,
+    STAT_KEYS,
+    BufferUnavailableError,
+    live_groups,
+    lost_groups,
+    unfinished_groups,
+)
 from asyncrl.buffers.redis_buffer import GROUP, RedisBuffer
 from asyncrl.control import RunControl
 from asyncrl.errors import UserError
@@ -214,6 +221,7 @@ def collect_status(source: Source, buffer: RedisBuffer, control: RunControl, now
         "buffer": {
             **counters,
             "lost": lost_groups(stats),
+            "unfinished": unfinished_groups(stats),
             "live": live_groups(stats),
             "stream_length": int(client.xlen(control.keys.traj)),
         },
@@ -318,7 +326,7 @@ def render(st: dict, console) -> None:
     b = st["buffer"]
     lost = f"lost [bold red]{b['lost']}[/]" if b["lost"] else "lost [bold]0[/]"
     table = Table(title="buffer", show_header=False, title_justify="left")
-    table.add_row("admission", _pairs(b, ("started", "replayed", "abandoned", "live")))
+    table.add_row("admission", _pairs(b, ("started", "replayed", "abandoned", "failed", "unfinished", "live")))
     table.add_row("pushes", _pairs(b, ("pushed", "duplicates")))
     table.add_row("outcomes", _pairs(b, ("trained", "dropped_stale", "filtered", "dead")))
     table.add_row("in stream", _pairs(b, ("queued", "pending", "stream_length")) + "  " + lost)

@@ -15,7 +15,7 @@ Invariants every implementation keeps, under any number of concurrent callers (t
 memory buffer; threads and processes for Redis):
 
 * **admission bound**: a group is admitted only while
-  ``live = started + replayed - abandoned - dropped_stale - filtered - dead`` is below
+  ``live = started + replayed - abandoned - failed - dropped_stale - filtered - dead`` is below
   :func:`asyncrl.staleness.admission_limit` of the caller's ``serving_version``, so the groups
   admitted and not given back never exceed the limit of the largest serving version any caller
   passed. Groups that never reach a gradient give their slot back; a replay takes one (a step
@@ -47,6 +47,7 @@ COUNTER_KEYS = (
     "pushed",  # distinct groups appended
     "duplicates",  # pushes ignored because the group id was seen before
     "abandoned",  # admitted groups that will never be pushed (slots given back)
+    "failed",  # admitted groups whose episodes failed (episode.failure_policy): never pushed, slots given back
     "trained",  # groups acknowledged after a committed checkpoint included their update
     "dropped_stale",  # groups acknowledged unused: older than the lag bound (slots given back)
     "filtered",  # groups acknowledged unused: dynamic filtering, e.g. zero reward variance (slots given back)
@@ -102,7 +103,8 @@ class DeadLetter:
 # Groups holding an admission slot: the counters that take a slot minus those that give it back (see
 # the module doc). ``live_groups`` and the Redis admission script are both built from these two tuples.
 SLOT_TAKERS = ("started", "replayed")
-SLOT_RETURNERS = ("abandoned", "dropped_stale", "filtered", "dead")
+SLOT_RETURNERS = ("abandoned", "failed", "dropped_stale", "filtered", "dead")
+RELEASE_REASONS = ("abandoned", "failed")  # what :meth:`Buffer.release` may count an unpushed group as
 
 
 def live_groups(counts: dict[str, int]) -> int:
@@ -114,6 +116,18 @@ def lost_groups(counts: dict[str, int]) -> int:
     """Pushed groups that are in no outcome and not in the buffer: 0 unless a guarantee broke."""
     kept = sum(counts[k] for k in ("trained", "dropped_stale", "filtered", "dead", "queued", "pending"))
     return counts["pushed"] - (kept - counts["foreign_in_buffer"])
+
+
+def unfinished_groups(counts: dict[str, int]) -> int:
+    """Admitted groups neither pushed nor given back: those still being generated (0 once every
+    generator has stopped, unless a crash leaked a slot). With :func:`lost_groups` this is the whole
+    account of every admitted group: started = pushed + abandoned + failed + unfinished."""
+    return counts["started"] - counts["pushed"] - counts["abandoned"] - counts["failed"]
+
+
+def check_release_reason(reason: str) -> None:
+    if reason not in RELEASE_REASONS:
+        raise ValueError(f"unknown release reason {reason!r}; expected one of {RELEASE_REASONS}")
 
 
 def new_token() -> str:
@@ -153,10 +167,11 @@ class Buffer(ABC):
         """
 
     @abstractmethod
-    def release(self, n: int = 1, token: str | None = None) -> None:
-        """``n`` admitted groups will never be pushed (failed generation, shutdown): give their
-        admission slots back, counted as ``abandoned``. Without this, every abandoned group shrinks
-        the admission window for the rest of the run. Idempotent per ``token``."""
+    def release(self, n: int = 1, token: str | None = None, reason: str = "abandoned") -> None:
+        """``n`` admitted groups will never be pushed: give their admission slots back, counted as
+        ``reason``: ``abandoned`` (a too-long prompt, shutdown, a dead generator) or ``failed`` (their
+        episodes failed). Without this, every such group shrinks the admission window for the rest
+        of the run. Idempotent per ``token``."""
 
     # ----- learner ranks ----------------------------------------------------------------------
 

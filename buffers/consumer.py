@@ -101,7 +101,7 @@ def decode_checked(entry: Entry, rules: ConsumerRules) -> TrajectoryGroup:
         raise ProtocolError("not appended by the buffer's push (no admission): a foreign stream entry")
     if len(entry.frame) > rules.max_frame_bytes:
         raise ProtocolError(f"frame of {len(entry.frame)} bytes exceeds buffer.max_frame_mb")
-    return decode_group(entry.frame)
+    return decode_group(entry.frame).trainable()
 
 
 class BatchConsumer:

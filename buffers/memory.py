@@ -22,6 +22,7 @@ from asyncrl.buffers.base import (
     DeadLetter,
     Entry,
     check_count,
+    check_release_reason,
     live_groups,
 )
 from asyncrl.staleness import may_start_group
@@ -78,8 +79,9 @@ class MemoryBuffer(Buffer):
             self._cond.notify_all()
             return True
 
-    def release(self, n: int = 1, token: str | None = None) -> None:
-        self._count_once("abandoned", n, token)
+    def release(self, n: int = 1, token: str | None = None, reason: str = "abandoned") -> None:
+        check_release_reason(reason)
+        self._count_once(reason, n, token)
 
     def record_replays(self, n: int, token: str | None = None) -> None:
         self._count_once("replayed", n, token)

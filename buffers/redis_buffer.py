@@ -50,6 +50,7 @@ from asyncrl.buffers.base import (
     DeadLetter,
     Entry,
     check_count,
+    check_release_reason,
     new_token,
 )
 from asyncrl.errors import UserError
@@ -279,10 +280,11 @@ class RedisBuffer(Buffer):
         pipe.eval(_PUSH, len(keys), *keys, group_id, SEEN_WINDOW)
         return bool(pipe.execute()[1])
 
-    def release(self, n: int = 1, token: str | None = None) -> None:
+    def release(self, n: int = 1, token: str | None = None, reason: str = "abandoned") -> None:
+        check_release_reason(reason)
         check_count("n", n)
         if n:
-            self._count_once("abandoned", n, token or new_token())
+            self._count_once(reason, n, token or new_token())
 
     def record_replays(self, n: int, token: str | None = None) -> None:
         check_count("n", n)

@@ -4,28 +4,23 @@ Invariant: ``logprobs[t]`` of a completion is the log-probability of ``tokens[t]
 distribution actually sampled (temperature applied), computed with the weights of version
 ``versions[t]``, so the learner's importance ratios compare like with like, token by token.
 
-Weights that arrive while an engine generates (``generator.engine.on_weight_update``):
-
-* ``wait``: the caller uses ``generate`` and applies them after the call (every completion is one
-  version);
-* ``continue`` (``generate_updating``, vllm only): the engine asks the generator's ``WeightFeed``
-  between its steps and applies what it gets; every unfinished request goes on from the tokens it
-  has, its KV cache recomputed under the new weights, so later tokens carry the new version and
-  their log-probs are exactly the new policy's;
-* ``abort`` (likewise): every unfinished request starts again from its prompt.
+Engines are driven through requests (``add_request`` / ``step`` / ``abort_requests``), continuously,
+by the generator's episode scheduler (``asyncrl.generators.scheduler``): a turn is added when its
+episode asks for it, and each ``step`` returns the new tokens of every running request. Only the
+scheduler's one engine thread calls ``step``; requests are added, aborted and weights loaded only
+between steps.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
     from asyncrl.config import HfEngineConfig, ModelConfig, VllmEngineConfig
-    from asyncrl.generators.weight_feed import WeightFeed
 
 
 @dataclasses.dataclass
@@ -42,9 +37,18 @@ class Sampling:
     temperature: float
     top_p: float
     max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()  # besides EOS: tokens that end a turn (a chat template's)
 
 
-OnUpdate = Literal["continue", "abort"]  # on_weight_update other than wait
+@dataclasses.dataclass
+class StepOutput:
+    """What one ``step`` produced for one request: its new tokens, and whether it is done."""
+
+    request_id: str
+    tokens: list[int]  # new token ids since the last step
+    logprobs: list[float]  # their behaviour log-probs
+    finished: bool
+    finish_reason: str = "length"  # "stop" | "length", when finished
 
 
 def context_length(model_path: str) -> int:
@@ -64,16 +68,20 @@ class Engine(abc.ABC):
     max_model_len: int  # tokens of prompt plus completion one sequence may hold
 
     @abc.abstractmethod
-    def generate(self, prompts: list[list[int]], sampling: Sampling, version: int = 0) -> list[list[Completion]]:
-        """``sampling.n`` completions per prompt, all of weights ``version`` (the one served);
-        greedy when ``temperature`` is 0."""
+    def add_request(self, request_id: str, prompt: list[int], sampling: Sampling) -> None:
+        """Start one completion (``sampling.n`` is 1) of ``prompt``; its tokens come from ``step``."""
 
-    def generate_updating(
-        self, prompts: list[list[int]], sampling: Sampling, feed: WeightFeed, on_update: OnUpdate
-    ) -> list[list[Completion]]:
-        """Like ``generate`` from ``feed.version``, but asks ``feed`` for newer weights between engine
-        steps and applies them as ``on_update`` says (see the module doc)."""
-        raise NotImplementedError(f"{type(self).__name__} applies weights only between calls")
+    @abc.abstractmethod
+    def step(self) -> list[StepOutput]:
+        """Advance every running request; blocking. Each finished request appears once with finished."""
+
+    @abc.abstractmethod
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop these requests (unknown or finished ids are ignored); they produce no more output."""
+
+    @abc.abstractmethod
+    def has_unfinished(self) -> bool:
+        """Whether any added request has not finished or been aborted."""
 
     @abc.abstractmethod
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:

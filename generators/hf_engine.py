@@ -1,5 +1,7 @@
 """transformers ``generate`` engine, for machines where vLLM cannot run and for fast tests.
-Weights change only between calls (``on_weight_update`` is always wait)."""
+
+Its request interface is coarse: one ``step`` runs every added request to completion (batched per
+sampling setting), so weights can change only between whole turns."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import ModelConfig
-from asyncrl.generators.engine import Completion, Engine, Sampling
+from asyncrl.generators.engine import Completion, Engine, Sampling, StepOutput
 
 
 class HfEngine(Engine):
@@ -20,6 +22,7 @@ class HfEngine(Engine):
         self.pad_id = tok.pad_token_id
         self.eos_id = tok.eos_token_id
         self.generator = torch.Generator().manual_seed(seed)
+        self._requests: dict[str, tuple[list[int], Sampling]] = {}
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling, version: int = 0) -> list[list[Completion]]:
@@ -51,16 +54,43 @@ class HfEngine(Engine):
             for i in torch.nonzero(~done)[:, 0].tolist():
                 out_tokens[i].append(int(nxt[i]))
                 out_lps[i].append(float(lp[i, nxt[i]]))
-            done |= nxt == self.eos_id
+            done |= (nxt == self.eos_id) | torch.isin(nxt, torch.tensor(sampling.stop_token_ids, dtype=torch.long))
             if bool(done.all()):
                 break
             step_ids = nxt[:, None]
             attn = torch.cat([attn, torch.ones_like(step_ids)], dim=1)
+        stops = set(sampling.stop_token_ids)
         comps = [
-            Completion(t, lp, "stop" if t and t[-1] == self.eos_id else "length", [version] * len(t))
+            Completion(
+                t, lp, "stop" if t and (t[-1] == self.eos_id or t[-1] in stops) else "length", [version] * len(t)
+            )
             for t, lp in zip(out_tokens, out_lps, strict=True)
         ]
         return [comps[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompts))]
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict({k: v.to(self.device, self.dtype) for k, v in tensors.items()})
+
+    def add_request(self, request_id: str, prompt: list[int], sampling: Sampling) -> None:
+        self._requests[request_id] = (prompt, sampling)
+
+    def step(self) -> list[StepOutput]:
+        batches: dict[Sampling, list[tuple[str, list[int]]]] = {}
+        for rid, (prompt, sampling) in self._requests.items():
+            batches.setdefault(sampling, []).append((rid, prompt))
+        self._requests = {}
+        outs = []
+        for sampling, reqs in batches.items():
+            comps = self.generate([p for _, p in reqs], sampling)
+            outs += [
+                StepOutput(rid, c[0].tokens, c[0].logprobs, True, c[0].finish_reason)
+                for (rid, _), c in zip(reqs, comps, strict=True)
+            ]
+        return outs
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._requests.pop(rid, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)

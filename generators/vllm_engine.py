@@ -6,31 +6,22 @@ path that works (``load_weights`` fails on the repacked CPU linear layers). The 
 in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so ``collective_rpc`` hands the tensors
 over by reference: nothing is serialised.
 
-Weights during a call (``generate_updating``, ``on_weight_update`` continue | abort): the call
-drives the engine step by step (``LLMEngine.add_request`` / ``step``, one request per sample,
-outputs as deltas) and asks the ``WeightFeed`` for newer weights between steps. On an update every
-unfinished request is aborted, the weights are loaded (and the prefix cache, now unused, reset), and
-each request is added again: ``continue`` with its prompt plus the tokens it has (a prefill under
-the new weights rebuilds its KV cache, so the tokens after the switch are sampled from, and scored
-by, exactly the new policy), ``abort`` with its prompt alone. The cost of ``continue`` is one
-prefill per unfinished request per update.
+The request interface (``add_request`` / ``step``) drives vLLM's ``LLMEngine`` directly, one request
+per completion, outputs as deltas; the scheduler owns what happens to running requests when weights
+change (``asyncrl.generators.scheduler``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import os
-import time
 from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.generators.engine import Completion, Engine, OnUpdate, Sampling, context_length
+from asyncrl.generators.engine import Engine, Sampling, StepOutput, context_length
 
 if TYPE_CHECKING:
     from asyncrl.config import ModelConfig, VllmEngineConfig
-    from asyncrl.generators.weight_feed import WeightFeed
 
 
 class WeightReloadExtension:
@@ -68,97 +59,43 @@ class VllmEngine(Engine):
             worker_extension_cls=f"{extension.__module__}.{extension.__qualname__}",
             gpu_memory_utilization=0.3,
         )
-        self._ids = itertools.count()
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling, version: int = 0) -> list[list[Completion]]:
-        params = _params(sampling, sampling.max_new_tokens, n=sampling.n, stepwise=False)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [[_completion(c, version) for c in out.outputs] for out in outs]
+    def add_request(self, request_id: str, prompt: list[int], sampling: Sampling) -> None:
+        params = _params(sampling, sampling.max_new_tokens)
+        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
 
-    def generate_updating(
-        self, prompts: list[list[int]], sampling: Sampling, feed: WeightFeed, on_update: OnUpdate
-    ) -> list[list[Completion]]:
-        engine = self.llm.llm_engine
-        version = feed.version
-        live: dict[str, _Request] = {}
-        requests = [_Request(p) for p in prompts for _ in range(sampling.n)]
-        for req in requests:
-            self._add(engine, live, req, sampling)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                req = live.get(out.request_id)
-                if req is not None:
-                    req.extend(out.outputs[0], version)
-                    if out.finished:
-                        req.finish_reason = "stop" if out.outputs[0].finish_reason == "stop" else "length"
-                        del live[out.request_id]
-            update = feed.newer() if live else None
-            if update is None:
-                continue
-            t0 = time.perf_counter()
-            engine.abort_request(list(live))
-            self.load_weights(update.tensors)
-            feed.applied(update, time.perf_counter() - t0)
-            version = update.version
-            unfinished, live = list(live.values()), {}
-            for req in unfinished:
-                if on_update == "abort":
-                    req.restart()
-                self._add(engine, live, req, sampling)
-        n = sampling.n
-        return [[r.completion() for r in requests[i * n : (i + 1) * n]] for i in range(len(prompts))]
+    def step(self) -> list[StepOutput]:
+        outs = []
+        for out in self.llm.llm_engine.step():
+            c = out.outputs[0]
+            tokens = list(c.token_ids)
+            logprobs = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], tokens, strict=True)]
+            reason = "stop" if c.finish_reason == "stop" else "length"
+            outs.append(StepOutput(out.request_id, tokens, logprobs, out.finished, reason))
+        return outs
 
-    def _add(self, engine, live: dict, req: _Request, sampling: Sampling) -> None:
-        request_id = f"asyncrl-{next(self._ids)}"
-        remaining = sampling.max_new_tokens - len(req.tokens)
-        engine.add_request(request_id, {"prompt_token_ids": req.prompt + req.tokens}, _params(sampling, remaining))
-        live[request_id] = req
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.llm.llm_engine.abort_request(request_ids)
+
+    def has_unfinished(self) -> bool:
+        return self.llm.llm_engine.has_unfinished_requests()
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         self.llm.collective_rpc("asyncrl_reload", args=(tensors,))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
 
-def _params(sampling: Sampling, max_tokens: int, n: int = 1, stepwise: bool = True):
+def _params(sampling: Sampling, max_tokens: int):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    # driven step by step: each step's new tokens (LLM.generate sets its own output kind)
-    extra = {"output_kind": RequestOutputKind.DELTA} if stepwise else {}
     return SamplingParams(
-        n=n,
+        n=1,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         max_tokens=max_tokens,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
         logprobs=0,  # the sampled token's log-prob only
-        **extra,
+        output_kind=RequestOutputKind.DELTA,  # driven step by step: each step's new tokens
     )
-
-
-@dataclasses.dataclass
-class _Request:
-    """One sample being generated step by step, across weight updates."""
-
-    prompt: list[int]
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str = "length"
-
-    def extend(self, delta, version: int) -> None:
-        new = list(delta.token_ids)
-        self.tokens += new
-        self.logprobs += [float(step[tok].logprob) for step, tok in zip(delta.logprobs, new, strict=True)]
-        self.versions += [version] * len(new)
-
-    def restart(self) -> None:
-        self.tokens, self.logprobs, self.versions = [], [], []
-
-    def completion(self) -> Completion:
-        return Completion(self.tokens, self.logprobs, self.finish_reason, self.versions)
-
-
-def _completion(c, version: int) -> Completion:
-    tokens = list(c.token_ids)
-    logprobs = [float(step[tok].logprob) for step, tok in zip(c.logprobs, tokens, strict=True)]
-    return Completion(tokens, logprobs, "stop" if c.finish_reason == "stop" else "length", [version] * len(tokens))

@@ -1,9 +1,8 @@
 """The generator's one handle on new weights, shared by its loop and its engine.
 
 ``WeightFeed`` wraps the weight-bus subscriber. Whoever may load weights asks it for a version
-newer than the one served (``newer``), loads that version's tensors, and tells it (``applied``):
-the generator loop between engine calls (``apply``), the engine between its steps when
-``on_weight_update`` is continue | abort. Nothing calls back into the generator.
+newer than the one served (``newer``), loads that version's tensors, and tells it (``applied``): the
+generator's engine pump, between engine steps. Nothing calls back into the generator.
 
 Invariants: ``version`` is the version the engine serves; it only moves forward, and only through
 ``applied``, after the engine holds that version's tensors. ``newer`` returns only complete,
@@ -20,7 +19,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from asyncrl.generators.engine import Engine
     from asyncrl.weights import WeightSubscriber, WeightUpdate
 
 
@@ -65,13 +63,3 @@ class WeightFeed:
                 "weights/bytes": update.nbytes,
             }
         )
-
-    def apply(self, engine: Engine, timeout_ms: int = 0) -> bool:
-        """Between engine calls: load the newest version into ``engine`` if there is a newer one."""
-        update = self.newer(timeout_ms)
-        if update is None:
-            return False
-        t0 = time.perf_counter()
-        engine.load_weights(update.tensors)
-        self.applied(update, time.perf_counter() - t0)
-        return True

@@ -1,60 +1,82 @@
-"""One generator process: the loop that turns prompts into scored trajectory groups.
+"""One generator process: an episode scheduler that turns tasks into scored trajectory groups.
 
-Each pass of the loop, between engine calls:
-  1. weights  - apply the newest verified version from the weight bus (never a partial one), through
-                the ``WeightFeed``; with ``generator.engine.on_weight_update`` continue | abort the
-                engine also asks the feed between its steps, and tokens carry the version that
-                produced each
-  2. eval     - if this version is due for a greedy held-out evaluation and no other generator
-                claimed it, run it
-  3. admit    - claim up to ``groups_in_flight`` groups under admission control, keyed on the
-                version this engine serves (so it never starts work that could only arrive stale)
-  4. generate - n samples per claimed prompt, with behaviour log-probs and per-token versions
-  5. score    - reward per sample; a failing reward marks the group failed, never the process
-  6. push     - one msgpack frame per group into the buffer
+One event loop runs up to ``generator.episodes_in_flight`` episodes (whole groups: a group is
+``n_samples`` episodes of one task) and one :class:`~asyncrl.generators.scheduler.EnginePump` that
+samples their turns continuously. The loop, every ``TICK_S`` or when a group ends:
+
+  1. eval    - if the served version is due for a greedy held-out evaluation and no other generator
+               claimed it, start it (it holds the weights until done: one version throughout)
+  2. admit   - claim groups under admission control, keyed on the version the engine serves, while
+               there is room for their episodes; each claimed group runs as its own task:
+               n episodes concurrently -> one trajectory group -> push, or ``failed``
+  3. report  - heartbeat every tick; metrics every ``REPORT_S``; stop the run when failures pass the
+               limit (``episode.failure_limit``)
+
+Weights are applied by the pump between engine steps (``generator.engine.on_weight_update``).
+
+Group outcomes: pushed (every sample with its status), or, when an episode failed under
+``episode.failure_policy: drop_group`` (or every episode failed), ``failed``: not pushed, its
+admission slot given back and counted. Slots of groups that never reach the buffer (too-long
+prompts, shutdown) are given back as ``abandoned``. The in-flight gauge the launcher reads to free a
+dead generator's slots is lowered before the push or release, so a crash in between leaks a slot but
+never frees one twice.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 import zlib
 
 import numpy as np
 
-from asyncrl import buffers
+from asyncrl import buffers, rewards
 from asyncrl.buffers.base import live_groups
-from asyncrl.config import DataConfig, GeneratorConfig, RunConfig, load_config
+from asyncrl.chat import ChatTokens
+from asyncrl.config import Config, load_config
 from asyncrl.control import RunControl, connect
-from asyncrl.data import import_by_path, load_jsonl, prompt_for_sequence
+from asyncrl.data import load_jsonl, prompt_for_sequence
+from asyncrl.episodes import Context, Outcome, load_episode, run_episode
+from asyncrl.generators.accounting import EpisodeStats, FailureWindow
 from asyncrl.generators.engine import Engine, Sampling, fits
 from asyncrl.generators.engine import setup as setup_engine
+from asyncrl.generators.scheduler import EnginePump
 from asyncrl.generators.weight_feed import WeightFeed
 from asyncrl.metrics import RedisSink, setup_logging
 from asyncrl.protocol import Sample, TrajectoryGroup, encode_group
+from asyncrl.rewards import load_reward
 from asyncrl.staleness import admission_limit, claim_share
 from asyncrl.weights import WeightSubscriber, setup_subscriber
 
 log = logging.getLogger("asyncrl.generator")
 
+TICK_S = 0.2  # the loop's pace when nothing happens: heartbeats, admission after new weights
+REPORT_S = 2.0  # metrics interval: often enough for the progress line, rare enough for hundreds of episodes
 
-def eval_versions(run: RunConfig) -> set[int]:
+
+def eval_versions(steps: int, every: int) -> set[int]:
     """Versions that get a greedy held-out evaluation: the first, every ``eval_every``, the last."""
-    every = run.eval_every
-    due = set(range(0, run.steps, every)) if every else {0}
-    return due | {run.steps}
+    due = set(range(0, steps, every)) if every else {0}
+    return due | {steps}
+
+
+def episode_seed(run_seed: int, seq: int, sample: int) -> int:
+    """The seed of sample ``sample`` of group ``seq`` (-1: evaluations): the same in every run of the
+    same seed, well mixed (a CRC's low bits follow its input's)."""
+    return int(np.random.SeedSequence([run_seed & (2**64 - 1), seq + 1, sample]).generate_state(1)[0])
 
 
 class Generator:
     def __init__(
         self,
-        gen: GeneratorConfig,
-        data: DataConfig,
-        run: RunConfig,
-        groups_per_step: int,
+        cfg: Config,
         *,
         ident: str,
         engine: Engine,
@@ -63,157 +85,232 @@ class Generator:
         tokenizer,
         subscriber: WeightSubscriber,
     ):
-        """``groups_per_step`` is the learner's B (admission control); the weights on disk, which
-        ``engine`` starts from, are version 0."""
-        self.gen_cfg, self.run_cfg, self.groups_per_step = gen, run, groups_per_step
-        self.ident = ident
-        self.engine = engine
-        self.buffer = buffer
-        self.control = control
-        self.tok = tokenizer
+        """The weights on disk, which ``engine`` starts from, are version 0."""
+        self.cfg, self.ident = cfg, ident
+        self.engine, self.buffer, self.control = engine, buffer, control
         self.metrics = RedisSink(control, f"generator/{ident}")
         heartbeat = functools.partial(control.heartbeat, "generator", ident, pid=os.getpid())
         self.feed = WeightFeed(subscriber, self.metrics, heartbeat, version=0)
-        self.records = load_jsonl(data.train)
-        eval_records = load_jsonl(data.eval)[: data.eval_size] if data.eval else []
-        encoded = [(r, tokenizer.encode(r["prompt"])) for r in eval_records]
-        self.eval_set = [(r, ids) for r, ids in encoded if self._fits(ids, gen.max_new_tokens)]  # encoded once
+        self.pump = EnginePump(engine, self.feed, cfg.generator.engine.on_weight_update)
+        ep = cfg.episode
+        self.chat = ChatTokens(tokenizer, use_template=ep.chat_template, system_prompt=ep.system_prompt)
+        self.episode, self.tools, self.parser = load_episode(ep)
+        self.reward_fn = load_reward(cfg.data.reward, ep.reward_timeout_s)
+        self.records = load_jsonl(cfg.data.train)
+        eval_records = load_jsonl(cfg.data.eval)[: cfg.data.eval_size] if cfg.data.eval else []
+        encoded = [(r, self.chat.prompt_ids(r["prompt"])) for r in eval_records]
+        self.eval_set = [(r, ids) for r, ids in encoded if self._fits(ids)]  # encoded once
         if len(self.eval_set) < len(eval_records):
             log.warning(
                 "%d eval prompts do not fit the model's context: left out", len(eval_records) - len(self.eval_set)
             )
-        self.reward_fn = import_by_path(data.reward)
-        self.due_evals = eval_versions(run) if gen.eval else set()
-        self.sampling = Sampling(
-            n=gen.n_samples,
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-            max_new_tokens=gen.max_new_tokens,
-        )
+        self.due_evals = eval_versions(cfg.run.steps, cfg.run.eval_every) if cfg.generator.eval else set()
+        g = cfg.generator
+        stops = tuple(self.chat.stop_token_ids)
+        self.sampling = Sampling(1, g.temperature, g.top_p, g.max_new_tokens, stops)
+        self.greedy = Sampling(1, 0.0, 1.0, g.max_new_tokens, stops)
+        self.capacity = max(1, g.episodes_in_flight // g.n_samples)  # groups
+        self.groups: set[asyncio.Task] = set()
+        self.evaluating: asyncio.Task | None = None
+        self.failures = FailureWindow(ep.failure_window, ep.failure_limit)
+        self.stats = EpisodeStats()
+        self.changed = asyncio.Event()
 
     @property
     def version(self) -> int:
         """The weights version the engine serves."""
         return self.feed.version
 
-    # -- phases ------------------------------------------------------------------------------------
-    def apply_weights(self, timeout_ms: int = 0) -> None:
-        self.feed.apply(self.engine, timeout_ms)
+    def _fits(self, prompt: list[int]) -> bool:
+        return fits(len(prompt), self.cfg.generator.max_new_tokens, self.engine.max_model_len)
 
+    # -- one episode, one group ------------------------------------------------------------------------
+    async def play(self, record: dict, prompt: list[int], seed: int, sampling: Sampling) -> tuple[Context, Outcome]:
+        ep = self.cfg.episode
+        budget = self.engine.max_model_len - len(prompt)
+        ctx = Context(
+            task=record,
+            seed=seed,
+            prompt_ids=prompt,
+            complete=lambda ids, n: self.pump.complete(ids, dataclasses.replace(sampling, max_new_tokens=n)),
+            chat=self.chat,
+            budget=min(ep.max_tokens or budget, budget),
+            max_new_tokens=sampling.max_new_tokens,
+            cfg=ep,
+            tools=self.tools,
+            parser=self.parser,
+            reward=self.reward_fn,
+        )
+        return ctx, await run_episode(self.episode, ctx, ep.episode_timeout_s)
+
+    async def run_group(self, seq: int) -> None:
+        epoch, idx = prompt_for_sequence(seq, len(self.records), self.cfg.run.seed)
+        record = self.records[idx]
+        prompt = self.chat.prompt_ids(record["prompt"])
+        if not self._fits(prompt):  # never an engine error: skipped, counted, its slot given back
+            self.stats.prompts_too_long += 1
+            log.warning("a prompt leaves no room in the %d-token context: skipped", self.engine.max_model_len)
+            self._end_group(release="abandoned")
+            return
+        n = self.cfg.generator.n_samples
+        played = await asyncio.gather(
+            *(self.play(record, prompt, episode_seed(self.cfg.run.seed, seq, i), self.sampling) for i in range(n))
+        )
+        for ctx, outcome in played:
+            self.stats.episode(ctx, outcome)
+            self.failures.add(outcome)
+            if outcome.cause is not None:
+                log.warning("episode of prompt %d failed: %s: %s", idx, outcome.cause, outcome.detail)
+        failed = sum(o.cause is not None for _, o in played)
+        if failed and (self.cfg.episode.failure_policy == "drop_group" or failed == n):
+            self.stats.groups_failed += 1
+            self._end_group(release="failed")
+            return
+        samples = [_sample(ctx, outcome) for ctx, outcome in played]
+        self.stats.groups += 1
+        self._end_group(push=TrajectoryGroup(np.asarray(prompt, np.int32), samples, idx, epoch, self.ident))
+
+    def _end_group(self, *, push: TrajectoryGroup | None = None, release: str | None = None) -> None:
+        self.control.set_inflight(self.ident, len(self.groups) - 1)  # first (see the module doc)
+        if push is not None:
+            self.buffer.push(push.id, encode_group(push), producer=self.ident)
+        else:
+            self.buffer.release(1, reason=release)
+        self.changed.set()
+
+    # -- phases ------------------------------------------------------------------------------------------
     def maybe_evaluate(self) -> None:
-        if self.version not in self.due_evals or not self.eval_set:
+        if self.evaluating is not None or self.version not in self.due_evals or not self.eval_set:
             return
         self.due_evals.discard(self.version)
-        if not self.control.claim_once(f"eval:{self.version}"):
-            return
-        t0 = time.perf_counter()
-        greedy = Sampling(n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.sampling.max_new_tokens)
-        outs = self.engine.generate([ids for _, ids in self.eval_set], greedy, self.version)
-        rewards = [self._score(r, o[0].tokens) for (r, _), o in zip(self.eval_set, outs, strict=True)]
-        record = {
-            "eval/version": self.version,
-            "eval/reward_mean": float(np.mean(rewards)),
-            "eval/exact_rate": float(np.mean([r >= 1.0 for r in rewards])),
-            "eval/seconds": time.perf_counter() - t0,
-        }
-        self.metrics.log(record)
-        log.info("eval at version %d: reward %.3f", self.version, record["eval/reward_mean"])
+        if self.control.claim_once(f"eval:{self.version}"):
+            self.evaluating = asyncio.create_task(self.evaluate())
 
-    def admit(self) -> list[int]:
-        k, b = self.run_cfg.max_policy_lag, self.groups_per_step
+    async def evaluate(self) -> None:
+        try:
+            async with self.pump.hold():
+                version, t0 = self.version, time.perf_counter()
+                played = await asyncio.gather(
+                    *(
+                        self.play(r, ids, episode_seed(self.cfg.run.seed, -1, i), self.greedy)
+                        for i, (r, ids) in enumerate(self.eval_set)
+                    )
+                )
+            rewards = [sum(o.parts.values()) if o.cause is None else 0.0 for _, o in played]
+            record = {
+                "eval/version": version,
+                "eval/reward_mean": float(np.mean(rewards)),
+                "eval/exact_rate": float(np.mean([r >= 1.0 for r in rewards])),
+                "eval/failed": sum(o.cause is not None for _, o in played),
+                "eval/turns_mean": float(np.mean([ctx.turns for ctx, _ in played])),
+                "eval/seconds": time.perf_counter() - t0,
+            }
+            self.metrics.log(record)
+            log.info("eval at version %d: reward %.3f", version, record["eval/reward_mean"])
+        finally:
+            self.evaluating = None
+
+    def admit(self) -> int:
+        """Claim groups while admission and room allow; each starts as its own task."""
+        k, b = self.cfg.run.max_policy_lag, self.cfg.learner.groups_per_step
+        if self.version >= self.cfg.run.steps:  # the learner is done: only the final eval is left
+            return 0
+        room = self.capacity - len(self.groups)
+        if room <= 0:
+            return 0
         live = live_groups(self.buffer.stats())
-        share = claim_share(
-            admission_limit(self.version, k, b) - live, self.run_cfg.generators, self.gen_cfg.groups_in_flight, b
-        )
-        seqs = []
-        while len(seqs) < share:  # each claim is atomic; the share only spreads them
+        share = claim_share(admission_limit(self.version, k, b) - live, self.cfg.run.generators, room, b)
+        claimed = 0
+        while claimed < share:  # each claim is atomic; the share only spreads them
             seq = self.buffer.try_start_group(self.version, k, b)
             if seq is None:
                 break
-            seqs.append(seq)
-        return seqs
+            self.control.set_inflight(self.ident, len(self.groups) + 1)  # after the claim: a crash leaks
+            task = asyncio.create_task(self.run_group(seq))
+            self.groups.add(task)
+            task.add_done_callback(self.groups.discard)
+            claimed += 1
+        return claimed
 
-    def _fits(self, prompt: list[int], max_new_tokens: int) -> bool:
-        return fits(len(prompt), max_new_tokens, self.engine.max_model_len)
+    def report(self) -> None:
+        record = self.stats.record(self.cfg.generator.n_samples * len(self.groups), self.pump.take_idle_fraction())
+        self.stats = EpisodeStats()
+        self.metrics.log({"generator/version": self.version, **record})
 
-    def generate(self, seqs: list[int]) -> list[TrajectoryGroup]:
-        claims = [prompt_for_sequence(s, len(self.records), self.run_cfg.seed) for s in seqs]
-        prompts = [self.tok.encode(self.records[idx]["prompt"]) for _, idx in claims]
-        keep = [i for i, p in enumerate(prompts) if self._fits(p, self.sampling.max_new_tokens)]
-        too_long = len(prompts) - len(keep)
-        if too_long:  # never an engine error: skipped, counted, their admission slots given back
-            claims, prompts = [claims[i] for i in keep], [prompts[i] for i in keep]
-            self.control.set_inflight(self.ident, len(keep))  # first: a crash in between leaks, never frees twice
-            self.buffer.release(too_long)
-            log.warning(
-                "%d prompts leave no room in the %d-token context: skipped", too_long, self.engine.max_model_len
-            )
-        if not prompts:
-            self.metrics.log({"generator/version": self.version, "generator/prompts_too_long": too_long})
-            return []
-        t0 = time.perf_counter()
-        mode = self.gen_cfg.engine.on_weight_update
-        if mode == "wait":
-            outs = self.engine.generate(prompts, self.sampling, self.version)
-        else:
-            outs = self.engine.generate_updating(prompts, self.sampling, self.feed, mode)
-        seconds = time.perf_counter() - t0
-        groups = []
-        for (epoch, idx), prompt, comps in zip(claims, prompts, outs, strict=True):
-            samples = [
-                Sample(
-                    tokens=np.asarray(c.tokens, dtype=np.int32),
-                    logprobs=np.asarray(c.logprobs, dtype=np.float32),
-                    versions=np.asarray(c.versions, dtype=np.int32),
-                    reward=self._score(self.records[idx], c.tokens),
-                    finish_reason=c.finish_reason,
-                )
-                for c in comps
-            ]
-            groups.append(TrajectoryGroup(np.asarray(prompt, np.int32), samples, idx, epoch, self.ident))
-        tokens = sum(g.num_tokens for g in groups)
-        self.metrics.log(
-            {
-                "generator/version": self.version,
-                "generator/tokens_per_s": tokens / max(seconds, 1e-9),
-                "generator/groups": len(groups),
-                "generator/reward_mean": float(np.mean([g.rewards.mean() for g in groups])),
-                "generator/generate_seconds": seconds,
-                "generator/prompts_too_long": too_long,
-            }
-        )
-        return groups
-
-    def push(self, groups: list[TrajectoryGroup]) -> None:
-        for g in groups:
-            self.buffer.push(g.id, encode_group(g), producer=self.ident)
-
-    def _score(self, record: dict, tokens: list[int]) -> float:
-        text = self.tok.decode(tokens, skip_special_tokens=True)
+    # -- the loop ----------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Until the run stops, the launcher dies, or failures pass the limit."""
+        parent, pump = os.getppid(), asyncio.create_task(self.pump.run())
+        last_report = time.monotonic()
         try:
-            return float(self.reward_fn(record["prompt"], text, record))
-        except Exception:  # a broken reward marks the sample, never kills the generator
-            log.exception("reward function failed on prompt %r", record["prompt"])
-            return 0.0
+            while not self.control.stop_requested() and os.getppid() == parent and not pump.done():
+                self.maybe_evaluate()  # 1
+                self.admit()  # 2
+                self.control.heartbeat("generator", self.ident, version=self.version, pid=os.getpid())  # 3
+                if time.monotonic() - last_report >= REPORT_S:
+                    self.report()
+                    last_report = time.monotonic()
+                if self.failures.exceeded:
+                    self.fail_run()
+                    break
+                self.changed.clear()
+                try:
+                    await asyncio.wait_for(self.changed.wait(), TICK_S)
+                except TimeoutError:
+                    pass
+            if pump.done():
+                pump.result()  # the engine failed: raise its error
+        finally:
+            await self.shutdown(pump)
 
-    # -- the loop ----------------------------------------------------------------------------------
-    def run(self, block_ms: int) -> None:
-        """Until the run stops or the launcher dies; ``block_ms`` is how long a wait for weights blocks."""
-        parent = os.getppid()
-        while not self.control.stop_requested() and os.getppid() == parent:
-            self.apply_weights()
-            self.maybe_evaluate()
-            self.control.heartbeat("generator", self.ident, version=self.version, pid=os.getpid())
-            if self.version >= self.run_cfg.steps:  # the learner is done: only the final eval is left
-                self.apply_weights(timeout_ms=block_ms)
-                continue
-            seqs = self.admit()
-            if not seqs:  # admission closed until newer weights arrive
-                self.apply_weights(timeout_ms=block_ms)
-                continue
-            self.control.set_inflight(self.ident, len(seqs))
-            self.push(self.generate(seqs))
-            self.control.set_inflight(self.ident, 0)
+    def fail_run(self) -> None:
+        message = f"generator {self.ident}: {self.failures.message()}"
+        log.error("%s; stopping the run. The last failure:\n%s", message, self.failures.last_failure.traceback)
+        self.control.set_meta("fatal", message)
+        self.control.request_stop("failed")
+
+    async def shutdown(self, pump: asyncio.Task) -> None:
+        """Cancel every episode; the slots of their groups go back as ``abandoned``."""
+        unfinished = [t for t in self.groups if not t.done()]
+        for task in [*unfinished, *([self.evaluating] if self.evaluating else [])]:
+            task.cancel()
+        await asyncio.gather(*unfinished, return_exceptions=True)
+        self.control.set_inflight(self.ident, 0)
+        if unfinished:
+            self.buffer.release(len(unfinished), reason="abandoned")
+        pump.cancel()
+        await asyncio.gather(pump, return_exceptions=True)
+        close = getattr(self.reward_fn, "close", None)  # a remote reward's connections
+        if close is not None and rewards.is_async(close):
+            await close()
+
+
+def _sample(ctx: Context, outcome: Outcome) -> Sample:
+    """The wire sample of one episode; a failed one keeps its tokens and status, reward 0 (the learner
+    leaves it out: its reward is never used)."""
+    return Sample(
+        tokens=np.asarray(ctx.tokens, dtype=np.int32),
+        logprobs=np.asarray(ctx.logprobs, dtype=np.float32),
+        versions=np.asarray(ctx.versions, dtype=np.int32),
+        reward=sum(outcome.parts.values()) if outcome.parts else 0.0,
+        finish_reason=ctx.finish_reason,
+        mask=np.asarray(ctx.mask, dtype=np.uint8),
+        status=outcome.status,
+        turns=ctx.turns,
+    )
+
+
+async def _serve(cfg: Config, ident: str, engine, buffer, control, tokenizer, subscriber) -> None:
+    gen = Generator(
+        cfg, ident=ident, engine=engine, buffer=buffer, control=control, tokenizer=tokenizer, subscriber=subscriber
+    )
+    log.info(
+        "generator %s up (engine %s, %d episodes in flight)",
+        ident,
+        cfg.generator.engine.type,
+        gen.capacity * cfg.generator.n_samples,
+    )
+    await gen.run()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -232,29 +329,29 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     seed = zlib.crc32(f"{cfg.run.seed}/{args.id}/{args.incarnation}".encode())
-    max_num_seqs = max(64, cfg.generator.groups_in_flight * cfg.generator.n_samples)
-    engine = setup_engine(cfg.generator.engine, cfg.model, max_num_seqs, seed)
+    engine = setup_engine(cfg.generator.engine, cfg.model, max(64, cfg.generator.episodes_in_flight), seed)
     address = control.wait_meta("weights_address", timeout_s=600)
     subscriber = setup_subscriber(cfg.weights, address, subscriber_id=f"generator-{args.id}")
-    gen = Generator(
-        cfg.generator,
-        cfg.data,
-        cfg.run,
-        cfg.learner.groups_per_step,
-        ident=args.id,
-        engine=engine,
-        buffer=buffer,
-        control=control,
-        tokenizer=AutoTokenizer.from_pretrained(cfg.model.path),
-        subscriber=subscriber,
-    )
-    log.info("generator %s up (engine %s)", args.id, cfg.generator.engine.type)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    # plain environments, tools and rewards run on threads: one per episode, so none waits for another
+    threads = concurrent.futures.ThreadPoolExecutor(cfg.generator.episodes_in_flight + 8, "episode")
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(threads)
     try:
-        gen.run(cfg.buffer.block_ms)
+        loop.run_until_complete(_serve(cfg, args.id, engine, buffer, control, tokenizer, subscriber))
     finally:
+        threads.shutdown(wait=False, cancel_futures=True)  # asyncio.run would wait for them
+        loop.close()
         subscriber.close()
         buffer.close()
         engine.close()
+    hung = [t for t in threading.enumerate() if t.name.startswith("episode") and t.is_alive()]
+    if hung:  # a plain reward, tool or environment that never returned: the process must still end
+        log.warning(
+            "%d calls of episodes are still running (hung past their timeouts); exiting without them", len(hung)
+        )
+        logging.shutdown()
+        os._exit(0)
 
 
 if __name__ == "__main__":

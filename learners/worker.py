@@ -81,7 +81,7 @@ def make_batch(groups: list[TrajectoryGroup], max_len: int, preset: Preset, pad_
         same[i, p - 1 : p - 1 + len(versions)] = torch.from_numpy((versions == version).astype(np.float32))
     batch["same_version"] = same
     rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
-    lengths = torch.tensor([len(s.tokens) for g in groups for s in g.samples])
+    lengths = torch.tensor([int(s.mask.sum()) for g in groups for s in g.samples])  # model tokens
     shaping = overlong_penalty(lengths, max_len, preset.overlong_buffer, preset.overlong_penalty)
     batch["rewards"] = (rewards + shaping).to(torch.float32)
     batch["group_ids"] = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])

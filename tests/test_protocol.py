@@ -59,7 +59,7 @@ def samples(draw) -> Sample:
 def groups(draw) -> TrajectoryGroup:
     return TrajectoryGroup(
         prompt_ids=draw(st.integers(0, 16).flatmap(lambda n: _ints(n, 2**31 - 1))),
-        samples=draw(st.lists(samples(), min_size=1, max_size=4)),
+        samples=draw(st.lists(samples(), min_size=1, max_size=4).filter(lambda ss: any(s.status == "ok" for s in ss))),
         prompt_index=draw(st.integers(0, 2**40)),
         epoch=draw(st.integers(0, 1000)),
         producer=draw(_text),
@@ -162,7 +162,7 @@ def test_a_version_1_frame_is_still_read_as_all_model_tokens() -> None:
 @pytest.mark.parametrize(
     "mask, versions, match",
     [
-        ([0, 0, 0], [-1, -1, -1], "no model tokens"),
+        ([0, 0, 0], [-1, -1, -1], "an ok sample without model tokens"),
         ([1, 2, 1], [2, 2, 3], "mask values"),
         ([1, 0, 1], [2, 2, 3], "-1 on environment tokens"),
         ([1, 1, 1], [2, -1, 3], ">= 0 on model tokens"),
@@ -297,3 +297,18 @@ def test_mistyped_values_raise_protocol_error(mutate) -> None:
     except ProtocolError:
         return
     pytest.fail("decoded a bad frame")
+
+
+def test_a_failed_sample_may_be_empty_but_a_group_needs_an_ok_one() -> None:
+    """zero_sample keeps a failed episode in its group: it may hold no model token (an environment
+    that failed at reset); the learner's view of the group leaves it out."""
+    empty = Sample(
+        np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int32), 0.0, status="env_error", turns=0
+    )
+    group = _group()
+    group.samples.append(empty)
+    got = decode_group(encode_group(group))
+    assert [s.status for s in got.samples] == ["ok", "env_error"]
+    assert [s.status for s in got.trainable().samples] == ["ok"]
+    with pytest.raises(ProtocolError, match="no ok samples"):
+        decode_group(encode_group(_group(samples=[empty])))

@@ -61,6 +61,7 @@ EXPECTED_BUFFER = {
     "pushed": 7,
     "duplicates": 1,
     "abandoned": 1,
+    "failed": 0,
     "trained": 1,
     "dropped_stale": 1,
     "filtered": 0,
@@ -71,6 +72,7 @@ EXPECTED_BUFFER = {
     "pending": 1,
     "foreign_in_buffer": 0,
     "lost": 0,
+    "unfinished": 0,  # 8 started - 7 pushed - 1 abandoned - 0 failed
     "live": 4,  # 8 started + 1 replayed - 1 abandoned - 1 stale - 3 dead
     "stream_length": 2,
 }

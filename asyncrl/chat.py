@@ -1,0 +1,105 @@
+"""Token ids of a multi-turn conversation, built turn by turn without ever re-tokenizing a model turn.
+
+A model turn's tokens are the engine's own: they are never decoded and encoded again (that silently
+changes ids, and so log-probs). What goes between two model turns (the end of the assistant message,
+the environment's or tool's message, the next generation prompt) comes from the tokenizer's chat
+template: the TEMPLATE's text around a ``role`` message is found once per role, as the difference of
+two renders of a fixed base conversation; each observation is then that closing + head, its text and
+that tail, encoded as ONE string. Never as three pieces: BPE pre-tokenization merges across the
+seams, so pieces give other ids than a full render (SmolLM2, ␣ a space: ``"tool\\n  x"`` is ``tool``,
+``\\n␣``, ``␣x``, but ``"tool\\n"`` and ``"  x"`` apart are ``tool``, ``\\n`` and ``␣``,
+``␣x``). Tokenizers without a chat template (the demo's byte tokenizer) use plain encoding: the
+prompt's ids, then each turn's, each observation's, with nothing between them (a turn cut by length
+gets no EOS).
+
+Invariant, pinned by ``tests/test_chat_tokens.py``: for a conversation whose assistant turns are
+encoded the way the model emits them (content, then the end-of-turn token, or the content alone for a
+turn cut by length), ``prompt_ids(user) + turn_1 + observation_ids(obs_1, after=turn_1) + turn_2 + ...``
+equals the one full render of the whole conversation with a generation prompt, token for token.
+
+Where it cannot hold, by design: ids at a seam with a MODEL turn are the model's. A turn whose
+content begins with whitespace (``"\\n"`` + ``"  x"`` after the generation prompt) or a template whose
+closing begins with plain text would be tokenized differently by a full render; the sample keeps the
+sampled ids, and the observation after the turn is the same either way. A template that rewrites
+earlier messages when one is appended (not append-only) is refused with ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+# Placeholder contents of the base conversation; any text the template copies verbatim will do.
+_BASE_USER, _BASE_ASSISTANT = "Hi.", "Hello."
+
+
+class ChatTokens:
+    def __init__(self, tokenizer, *, use_template: bool = True, system_prompt: str | None = None):
+        """``use_template`` False (or a tokenizer without one) gives plain encoding; ``system_prompt``
+        opens every templated conversation (None: whatever the template does without one)."""
+        self.tok = tokenizer
+        self.templated = bool(use_template and getattr(tokenizer, "chat_template", None))
+        self.system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """The first user message (the task's prompt), ending with the generation prompt."""
+        if not self.templated:
+            return list(self.tok.encode(text))
+        return self._render([*self.system, {"role": "user", "content": text}], generation_prompt=True)
+
+    def observation_ids(self, text: str, role: str, after: Sequence[int]) -> list[int]:
+        """What follows the model turn ``after`` (its token ids as sampled): the rest of the assistant
+        message, a ``role`` message with ``text``, and the next generation prompt."""
+        if not self.templated:
+            return list(self.tok.encode(text, add_special_tokens=False))
+        between, closing, tail = self._frame(role)
+        ids = list(self.tok.encode(between + text + tail, add_special_tokens=False))  # one string: see above
+        emitted = _overlap(after, closing)  # the part of the closing the model already emitted
+        if ids[:emitted] != closing[:emitted]:
+            raise ValueError(f"the chat template's closing merges with the {role!r} message's tokens")
+        return ids[emitted:]
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Tokens that end a model turn: EOS and, under a template, the assistant message's end."""
+        ids = {self.tok.eos_token_id} if self.tok.eos_token_id is not None else set()
+        if self.templated:
+            closing = self._frame("user")[1]
+            special = set(getattr(self.tok, "all_special_ids", []))
+            ids |= {t for t in closing if t in special}
+        return sorted(ids)
+
+    # -- the renders, once per role ------------------------------------------------------------------
+    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        text = self._text(messages, generation_prompt)
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def _text(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - one instance per generator, a handful of roles
+    def _frame(self, role: str) -> tuple[str, list[int], str]:
+        """(between, closing ids, tail): the template's text from the end of an assistant message's
+        content to the start of a ``role`` message's content, the closing's own ids (the part that a
+        model turn may end with), and the text from that content's end to the next generation prompt."""
+        marker = "\x00obs\x00"
+        base = [*self.system, {"role": "user", "content": _BASE_USER}]
+        with_reply = [*base, {"role": "assistant", "content": _BASE_ASSISTANT}]
+        before = self._text(with_reply, generation_prompt=False)
+        after = self._text([*with_reply, {"role": role, "content": marker}], generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError(f"the chat template is not append-only after an assistant turn (role {role!r})")
+        if after.count(marker) != 1:
+            raise ValueError(f"the chat template does not copy a {role!r} message's content verbatim")
+        closing = before[before.rindex(_BASE_ASSISTANT) + len(_BASE_ASSISTANT) :]
+        head, _, tail = after[len(before) :].partition(marker)
+        return closing + head, list(self.tok.encode(closing, add_special_tokens=False)), tail
+
+
+def _overlap(turn: Sequence[int], closing: Sequence[int]) -> int:
+    """Length of the longest prefix of ``closing`` that ``turn`` ends with (the model emits the
+    end-of-turn token itself when it stops; a turn cut by length has none of it)."""
+    for k in range(min(len(turn), len(closing)), 0, -1):
+        if list(turn[-k:]) == list(closing[:k]):
+            return k
+    return 0
