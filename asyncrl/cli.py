@@ -141,7 +141,7 @@ def _reward_serve_parser(sub) -> None:
         type=float,
         default=20.0,
         help="hard limit of one item; a worker past it is killed and replaced (keep it under the clients' "
-        "data.reward_timeout_s)",
+        "episode.reward_timeout_s)",
     )
     p.add_argument(
         "--token-file",

@@ -17,7 +17,7 @@ input, so serve this reward with a hard deadline::
     asyncrl reward-serve --reward asyncrl.math_reward:math_reward --deadline-s 10
 
 whose worker processes are killed and replaced when an item overruns. Used in-process instead,
-``data.reward_timeout_s`` still fails the episode, but a stuck call keeps its thread.
+``episode.reward_timeout_s`` still fails the episode, but a stuck call keeps its thread.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ The wire protocol (``asyncrl.reward`` version 1) is documented in :mod:`asyncrl.
   the worker is killed (SIGKILL, by pid) and a fresh one started in its place, so a hung reward costs
   one worker for one deadline, never the server. A worker that dies mid-item answers
   ``reward_error`` and is replaced the same way. Queueing for a free worker does not count against
-  the deadline: keep ``deadline_s`` well under the clients' ``data.reward_timeout_s``.
+  the deadline: keep ``deadline_s`` well under the clients' ``episode.reward_timeout_s``.
 * **Idempotent by request id.** Answers (``error`` answers too) of the last :data:`CACHE_SIZE` ids
   are kept; a repeated id is answered from there without calling the reward again, and one that
   arrives while the first still computes waits for that same computation, which is not tied to its

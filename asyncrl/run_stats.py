@@ -148,9 +148,10 @@ class RunStats:
         if "eval/reward_mean" in record:
             self.evals[int(record["eval/version"])] = float(record["eval/reward_mean"])
             if on_eval is not None:
+                failed = f", {record['eval/failed']} episodes failed" if record.get("eval/failed") else ""
                 on_eval(
                     f"eval at version {record['eval/version']}: reward {record['eval/reward_mean']:.3f} "
-                    f"(exact {record['eval/exact_rate']:.2f})"
+                    f"(exact {record['eval/exact_rate']:.2f}{failed})"
                 )
 
     @property

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -58,6 +59,7 @@ from asyncrl.weights import WeightSubscriber, setup_subscriber
 log = logging.getLogger("asyncrl.generator")
 
 TICK_S = 0.2  # the loop's pace when nothing happens: heartbeats, admission after new weights
+POLICY_FAILURES = {"budget"}  # failures that are the policy's doing: an evaluation scores them 0
 REPORT_S = 2.0  # metrics interval: often enough for the progress line, rare enough for hundreds of episodes
 
 
@@ -196,17 +198,22 @@ class Generator:
                         for i, (r, ids) in enumerate(self.eval_set)
                     )
                 )
-            rewards = [sum(o.parts.values()) if o.cause is None else 0.0 for _, o in played]
+            # the policy's own failure (overrunning its budget) scores 0; others say nothing of the policy
+            scores = [_eval_score(o) for _, o in played]
+            valid = [r for r in scores if r is not None]
             record = {
                 "eval/version": version,
-                "eval/reward_mean": float(np.mean(rewards)),
-                "eval/exact_rate": float(np.mean([r >= 1.0 for r in rewards])),
                 "eval/failed": sum(o.cause is not None for _, o in played),
                 "eval/turns_mean": float(np.mean([ctx.turns for ctx, _ in played])),
                 "eval/seconds": time.perf_counter() - t0,
             }
+            if valid:
+                record["eval/reward_mean"] = float(np.mean(valid))
+                record["eval/exact_rate"] = float(np.mean([r >= 1.0 for r in valid]))
+                log.info("eval at version %d: reward %.3f", version, record["eval/reward_mean"])
+            else:
+                log.warning("eval at version %d: every episode failed", version)
             self.metrics.log(record)
-            log.info("eval at version %d: reward %.3f", version, record["eval/reward_mean"])
         finally:
             self.evaluating = None
 
@@ -262,6 +269,8 @@ class Generator:
                 pump.result()  # the engine failed: raise its error
         finally:
             await self.shutdown(pump)
+            with contextlib.suppress(Exception):  # best effort: the run may be ending because Redis died
+                self.report()  # the last interval's figures, the episodes just cancelled too
 
     def fail_run(self) -> None:
         message = f"generator {self.ident}: {self.failures.message()}"
@@ -283,6 +292,12 @@ class Generator:
         close = getattr(self.reward_fn, "close", None)  # a remote reward's connections
         if close is not None and rewards.is_async(close):
             await close()
+
+
+def _eval_score(outcome: Outcome) -> float | None:
+    if outcome.cause is None:
+        return sum(outcome.parts.values())
+    return 0.0 if outcome.cause in POLICY_FAILURES else None
 
 
 def _sample(ctx: Context, outcome: Outcome) -> Sample:
