@@ -11,12 +11,15 @@ from asyncrl.errors import UserError
 
 def preflight_light(cfg: Config, redis_url: str | None = None) -> None:
     """Everything that can be checked without building or starting anything; raises UserError."""
-    from asyncrl.data import import_by_path, load_jsonl
+    from asyncrl.data import load_jsonl
+    from asyncrl.episodes import load_episode
+    from asyncrl.rewards import load_reward
 
     load_jsonl(cfg.data.train)
     if cfg.data.eval:
         load_jsonl(cfg.data.eval)
-    import_by_path(cfg.data.reward)
+    load_reward(cfg.data.reward, cfg.episode.reward_timeout_s)  # imports it, or checks its URL
+    load_episode(cfg.episode)  # the episode function or Env, its tools and tool parser
     check_model_path(cfg.model)
     check_prompt_lengths(cfg)
     from asyncrl.redis_server import check_redis_url, find_redis_binary
