@@ -92,6 +92,7 @@ class Context:
         self.versions: list[int] = []
         self.turns = 0
         self.finish_reason = "stop"
+        self.turn_rewards: list[tuple[int, float]] = []  # (index of a turn's last model token, its reward)
         # accounting
         self.engine_seconds = 0.0  # waiting for model turns (excluded from the episode's timeout)
         self.env_seconds: list[float] = []  # each environment step's duration
@@ -129,6 +130,14 @@ class Context:
         self.finish_reason = c.finish_reason
         self._last_turn = list(c.tokens)
         return ModelTurn(self._chat.tok.decode(c.tokens, skip_special_tokens=True), list(c.tokens), c.finish_reason)
+
+    def reward_turn(self, reward: float) -> None:
+        """Credit the last model turn with ``reward``, part of the episode's (token-level estimators
+        such as REINFORCE++ and GAE then see it at that turn; group estimators see the total)."""
+        last = max((i for i, m in enumerate(self.mask) if m), default=None)
+        if last is None:
+            raise EpisodeFailure("episode_error", "reward_turn before any model turn")
+        self.turn_rewards.append((last, float(reward)))
 
     # -- the environment ---------------------------------------------------------------------------
     def observe(self, observation: str | Sequence[int], role: str = "user") -> None:
@@ -214,7 +223,7 @@ class Env(Protocol):
 def env_episode(make_env: Callable[[], Env], max_turns: int) -> Episode:
     """An episode that plays ``make_env()`` for up to ``max_turns`` model turns; the reward is the
     sum of the per-turn rewards (named ``reward``) or of the named parts a step's ``info['reward_parts']``
-    gives."""
+    gives, and each turn is credited with its own (``Context.reward_turn``)."""
 
     async def episode(ctx: Context) -> dict[str, float]:
         env = make_env()
@@ -229,6 +238,7 @@ def env_episode(make_env: Callable[[], Env], max_turns: int) -> Episode:
                 step_parts = rewards.reward_parts((info or {}).get("reward_parts", reward))
                 for name, value in step_parts.items():
                     parts[name] += value
+                ctx.reward_turn(rewards.total(step_parts))
                 if done:
                     break
                 ctx.observe(observation)

@@ -13,7 +13,9 @@ A trajectory group (one prompt, ``n`` samples) travels as one msgpack map::
                   "versions": <array int32 (T,)>,   # version that produced each mask-1 token; -1 at mask 0
                   "reward": float, "finish_reason": str,
                   "status": str,                    # "ok", or why the episode failed
-                  "turns": int}, ...],              # model turns in the episode (1: single-turn)
+                  "turns": int,                     # model turns in the episode (1: single-turn)
+                  "turn_rewards": <array float32 (T,)>}, ...],  # optional: each turn's reward at its
+                                                    # last model token (they sum to "reward")
      "created_at": float}
 
 Environment tokens (mask 0) are context only: no gradient, not counted in any token total, no
@@ -80,6 +82,7 @@ class Sample:
     mask: np.ndarray | None = None  # (T,) uint8 1 = sampled by the policy, 0 = environment; None: all 1
     status: str = "ok"
     turns: int = 1
+    turn_rewards: np.ndarray | None = None  # (T,) float32 each turn's reward at its last model token; None: none
 
     def __post_init__(self) -> None:
         if self.mask is None:
@@ -142,6 +145,11 @@ def encode_group(group: TrajectoryGroup) -> bytes:
                     "finish_reason": s.finish_reason,
                     "status": s.status,
                     "turns": int(s.turns),
+                    **(
+                        {}
+                        if s.turn_rewards is None
+                        else {"turn_rewards": pack_array(s.turn_rewards.astype(np.float32))}
+                    ),
                 }
                 for s in group.samples
             ],
@@ -192,10 +200,17 @@ def _decode_sample(obj: dict, schema_version: int) -> Sample:
         mask=unpack_array(obj["mask"]) if schema_version >= 2 else None,
         status=str(obj["status"]) if schema_version >= 2 else "ok",
         turns=int(obj["turns"]) if schema_version >= 2 else 1,
+        turn_rewards=unpack_array(obj["turn_rewards"]) if "turn_rewards" in obj else None,
     )
     shapes = (s.tokens.shape, s.mask.shape, s.logprobs.shape, s.versions.shape)
+    if s.turn_rewards is not None:
+        shapes += (s.turn_rewards.shape,)
     if len(set(shapes)) != 1 or s.tokens.ndim != 1:
         raise ProtocolError(f"inconsistent sample shapes {', '.join(map(str, shapes))}")
+    if s.turn_rewards is not None and (
+        not np.all(np.isfinite(s.turn_rewards)) or np.any(s.turn_rewards[s.mask == 0] != 0)
+    ):
+        raise ProtocolError("turn rewards must be finite, and 0 on environment tokens")
     if not np.all(np.isfinite(s.logprobs)) or not math.isfinite(s.reward):
         raise ProtocolError("non-finite log-prob or reward")
     model = s.mask == 1

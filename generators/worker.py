@@ -117,6 +117,8 @@ class Generator:
         self.failures = FailureWindow(ep.failure_window, ep.failure_limit)
         self.stats = EpisodeStats()
         self.changed = asyncio.Event()
+        self.logged_causes: set[str] = set()
+        self.crashed: BaseException | None = None  # a group's or evaluation's infrastructure error
 
     @property
     def version(self) -> int:
@@ -162,7 +164,7 @@ class Generator:
             self.stats.episode(ctx, outcome)
             self.failures.add(outcome)
             if outcome.cause is not None:
-                log.warning("episode of prompt %d failed: %s: %s", idx, outcome.cause, outcome.detail)
+                self._log_failure(idx, outcome)
         failed = sum(o.cause is not None for _, o in played)
         if failed and (self.cfg.episode.failure_policy == "drop_group" or failed == n):
             self.stats.groups_failed += 1
@@ -171,6 +173,18 @@ class Generator:
         samples = [_sample(ctx, outcome) for ctx, outcome in played]
         self.stats.groups += 1
         self._end_group(push=TrajectoryGroup(np.asarray(prompt, np.int32), samples, idx, epoch, self.ident))
+
+    def _log_failure(self, idx: int, outcome: Outcome) -> None:
+        """The first failure of each cause with its traceback; the rest only in the counters (a reward
+        that raises on every third prompt must not bury the log)."""
+        if outcome.cause in self.logged_causes:
+            log.debug("episode of prompt %d failed: %s: %s", idx, outcome.cause, outcome.detail)
+            return
+        self.logged_causes.add(outcome.cause)
+        log.warning(
+            "episode of prompt %d failed: %s: %s (later %s failures are only counted)\n%s",
+            idx, outcome.cause, outcome.detail, outcome.cause, outcome.traceback,
+        )  # fmt: skip
 
     def _end_group(self, *, push: TrajectoryGroup | None = None, release: str | None = None) -> None:
         self.control.set_inflight(self.ident, len(self.groups) - 1)  # first (see the module doc)
@@ -187,6 +201,7 @@ class Generator:
         self.due_evals.discard(self.version)
         if self.control.claim_once(f"eval:{self.version}"):
             self.evaluating = asyncio.create_task(self.evaluate())
+            self.evaluating.add_done_callback(self._task_done)
 
     async def evaluate(self) -> None:
         try:
@@ -235,9 +250,17 @@ class Generator:
             self.control.set_inflight(self.ident, len(self.groups) + 1)  # after the claim: a crash leaks
             task = asyncio.create_task(self.run_group(seq))
             self.groups.add(task)
-            task.add_done_callback(self.groups.discard)
+            task.add_done_callback(self._task_done)
             claimed += 1
         return claimed
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        """Episodes fail as data; what escapes a group or an evaluation is an infrastructure error
+        (Redis, the engine): it ends the loop, and the launcher restarts this generator."""
+        self.groups.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.crashed is None:
+            self.crashed = task.exception()
+        self.changed.set()
 
     def report(self) -> None:
         record = self.stats.record(self.cfg.generator.n_samples * len(self.groups), self.pump.take_idle_fraction())
@@ -251,6 +274,8 @@ class Generator:
         last_report = time.monotonic()
         try:
             while not self.control.stop_requested() and os.getppid() == parent and not pump.done():
+                if self.crashed is not None:
+                    raise self.crashed
                 self.maybe_evaluate()  # 1
                 self.admit()  # 2
                 self.control.heartbeat("generator", self.ident, version=self.version, pid=os.getpid())  # 3
@@ -312,7 +337,16 @@ def _sample(ctx: Context, outcome: Outcome) -> Sample:
         mask=np.asarray(ctx.mask, dtype=np.uint8),
         status=outcome.status,
         turns=ctx.turns,
+        turn_rewards=_turn_rewards(ctx) if ctx.turn_rewards and outcome.parts else None,
     )
+
+
+def _turn_rewards(ctx: Context) -> np.ndarray:
+    """(T,) each credited turn's reward at its last model token."""
+    out = np.zeros(len(ctx.tokens), dtype=np.float32)
+    for index, reward in ctx.turn_rewards:
+        out[index] += reward
+    return out
 
 
 async def _serve(cfg: Config, ident: str, engine, buffer, control, tokenizer, subscriber) -> None:

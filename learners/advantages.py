@@ -71,6 +71,7 @@ class AdvantageInput:
     token_rewards: Tensor | None = None  # (B, T) extra per-token reward, e.g. kl.kl_reward(...)
     values: Tensor | None = None  # (B, T) V(s_{i,t}) from the critic (gae only)
     moments: MomentsFn | None = None  # (x, mask) -> (mean, std) over the GLOBAL step; None: this batch
+    turn_rewards: Tensor | None = None  # (B, T) each turn's reward at its last token; part of R_i, not extra
 
     def __post_init__(self) -> None:
         shape = tuple(self.mask.shape)
@@ -80,7 +81,7 @@ class AdvantageInput:
             raise ValueError(f"rewards must be (B,) = {shape[:1]}, got {tuple(self.rewards.shape)}")
         if self.group_ids is not None and tuple(self.group_ids.shape) != shape[:1]:
             raise ValueError(f"group_ids must be (B,) = {shape[:1]}, got {tuple(self.group_ids.shape)}")
-        for name in ("token_rewards", "values"):
+        for name in ("token_rewards", "turn_rewards", "values"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape} like mask")
@@ -110,15 +111,23 @@ class AdvantageOutput:
 # ----------------------------------------------------------------------------- helpers
 
 
-def token_level_rewards(rewards: Tensor, mask: Tensor, token_rewards: Tensor | None = None) -> Tensor:
-    """r_{i,t} = token_rewards_{i,t} + R_i on the last response token of i. (B,), (B, T) -> (B, T).
+def token_level_rewards(
+    rewards: Tensor, mask: Tensor, token_rewards: Tensor | None = None, turn_rewards: Tensor | None = None
+) -> Tensor:
+    """r_{i,t} = token_rewards_{i,t} + turn_rewards_{i,t} + (R_i - sum_t turn_rewards_{i,t}) on the last
+    response token of i. (B,), (B, T) -> (B, T).
 
-    A row without response tokens receives no reward (it has no step to carry it).
+    ``turn_rewards`` places the part of R_i each turn of a multi-turn episode earned at that turn's last
+    token (token-level estimators then credit each turn with its own reward); what they do not cover
+    (all of R_i without them) lands on the last token. Either way sum_t r_{i,t} = R_i + sum_t
+    token_rewards_{i,t}. A row without response tokens receives no reward (it has no step to carry it).
     """
     on = mask > 0
     pos = torch.arange(mask.shape[1], device=mask.device)
     last = torch.where(on, pos, -1).max(dim=1).values  # (B,) index of the last response token, -1 if none
-    out = torch.where(pos == last[:, None], rewards[:, None].to(torch.result_type(rewards, 1.0)), 0.0)
+    outcome = rewards.to(torch.result_type(rewards, 1.0))
+    turns = torch.zeros_like(mask, dtype=outcome.dtype) if turn_rewards is None else torch.where(on, turn_rewards, 0.0)
+    out = torch.where(pos == last[:, None], (outcome - turns.sum(dim=1))[:, None], 0.0) + turns
     if token_rewards is not None:
         out = out + torch.where(on, token_rewards, 0.0)
     return torch.where(on, out, 0.0)
@@ -182,7 +191,7 @@ def _in_float64(estimator):
     @functools.wraps(estimator)
     def run(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
         dtype = inp.token_rewards.dtype if inp.token_rewards is not None else torch.result_type(inp.rewards, 1.0)
-        wide = {k: getattr(inp, k) for k in ("rewards", "token_rewards", "values")}
+        wide = {k: getattr(inp, k) for k in ("rewards", "token_rewards", "turn_rewards", "values")}
         out = estimator(replace(inp, **{k: v if v is None else v.to(torch.float64) for k, v in wide.items()}), cfg)
         return AdvantageOutput(out.advantages.to(dtype), None if out.returns is None else out.returns.to(dtype))
 
@@ -221,7 +230,7 @@ def gae(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """
     if inp.values is None:
         raise ValueError("gae needs values (B, T) from the critic")
-    r = token_level_rewards(inp.rewards, inp.mask, inp.token_rewards)
+    r = token_level_rewards(inp.rewards, inp.mask, inp.token_rewards, inp.turn_rewards)
     values = inp.values
     on = inp.mask > 0
     adv = torch.zeros_like(r)
@@ -273,7 +282,7 @@ def rloo(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
 def reinforce_pp(inp: AdvantageInput, cfg: AdvantageConfig) -> AdvantageOutput:
     """REINFORCE++ (Hu 2025): G_t = sum_k gamma^k r_{t+k} with any KL penalty folded into r;
     A_t = (G_t - mean_batch G) / (std_batch G + eps) over every response token of the step."""
-    r = token_level_rewards(inp.rewards, inp.mask, inp.token_rewards)
+    r = token_level_rewards(inp.rewards, inp.mask, inp.token_rewards, inp.turn_rewards)
     returns = discounted_returns(r, inp.mask, cfg.gamma)
     return AdvantageOutput(advantages=_whiten(returns, inp, cfg.eps), returns=returns)
 
@@ -286,7 +295,7 @@ def reinforce_pp_baseline(inp: AdvantageInput, cfg: AdvantageConfig) -> Advantag
     if inp.group_ids is None:
         raise ValueError("reinforce_pp_baseline needs group_ids (B,): which prompt each sample answers")
     centred = inp.rewards - group_stats(inp.rewards, inp.group_ids)[0]
-    r = token_level_rewards(centred, inp.mask, inp.token_rewards)
+    r = token_level_rewards(centred, inp.mask, inp.token_rewards, inp.turn_rewards)
     returns = discounted_returns(r, inp.mask, cfg.gamma)
     return AdvantageOutput(advantages=_whiten(returns, inp, cfg.eps), returns=returns)
 

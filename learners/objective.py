@@ -115,6 +115,7 @@ class StepBatch:
     group_ids: Tensor  # (B,) int: samples of one prompt share an id
     mask: Tensor  # (B, T) 1.0 on response tokens
     behaviour_logprobs: Tensor  # (B, T) log mu(a_t | s_t) recorded by the generator
+    turn_rewards: Tensor | None = None  # (B, T) multi-turn episodes: each turn's share of R_i at its last token
 
 
 @dataclass
@@ -170,7 +171,9 @@ def prepare_batch(
     if kl_in is not None and preset.kl_placement == "reward":
         token_rewards = kl_reward(kl_in, preset.kl_estimator, preset.kl_coef)
     adv = get_advantage(preset.advantage)(
-        AdvantageInput(batch.rewards, mask, batch.group_ids, token_rewards, old_values, global_moments(reducer)),
+        AdvantageInput(
+            batch.rewards, mask, batch.group_ids, token_rewards, old_values, global_moments(reducer), batch.turn_rewards
+        ),
         preset.advantage_config,
     )
     prox = prox_logprobs if "prox_logprobs" in preset.required_inputs else None
@@ -198,7 +201,7 @@ def minibatch_loss(
     # 4. off-policy correction: pi (now) against pi_prox (batch start) and mu (behaviour)
     step_rewards = None  # per-token rewards for V-trace (only with a critic)
     if values is not None:
-        step_rewards = token_level_rewards(batch.rewards.to(mask.dtype), mask, inputs.token_rewards)
+        step_rewards = token_level_rewards(batch.rewards.to(mask.dtype), mask, inputs.token_rewards, batch.turn_rewards)
     corr = get_correction(preset.correction)(
         CorrectionInput(
             logprobs.detach(), batch.behaviour_logprobs, mask, inputs.prox_logprobs, step_rewards, old_values

@@ -85,6 +85,13 @@ def make_batch(groups: list[TrajectoryGroup], max_len: int, preset: Preset, pad_
     shaping = overlong_penalty(lengths, max_len, preset.overlong_buffer, preset.overlong_penalty)
     batch["rewards"] = (rewards + shaping).to(torch.float32)
     batch["group_ids"] = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
+    if any(s.turn_rewards is not None for g in groups for s in g.samples):  # multi-turn episodes
+        turns = torch.zeros_like(batch["response_mask"])
+        rows = [(len(g.prompt_ids), s.turn_rewards) for g in groups for s in g.samples]
+        for i, (p, rewards) in enumerate(rows):
+            if rewards is not None:
+                turns[i, p - 1 : p - 1 + len(rewards)] = torch.from_numpy(rewards.astype(np.float32))
+        batch["turn_rewards"] = turns
     return batch
 
 
@@ -135,7 +142,13 @@ def train_step(
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     temperature, max_len = sampling.temperature, sampling.max_len
     ref = reference_logprobs(models.reference, batch, temperature) if models.reference is not None else None
-    step = StepBatch(batch["rewards"], batch["group_ids"], batch["response_mask"], batch["behaviour_logprobs"])
+    step = StepBatch(
+        batch["rewards"],
+        batch["group_ids"],
+        batch["response_mask"],
+        batch["behaviour_logprobs"],
+        batch.get("turn_rewards"),
+    )
     if learner.minibatches * learner.epochs == 1:
         logprobs, values = _forward(models, batch, temperature)
         out = step_loss(preset, step, logprobs, reducer, world, max_len, ref_logprobs=ref, values=values)

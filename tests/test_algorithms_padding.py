@@ -58,6 +58,7 @@ def make_data() -> dict[str, np.ndarray]:
         "old_values": rng.normal(size=(B, T)),
         "token_rewards": rng.normal(0, 0.1, size=(B, T)),
         "returns": rng.normal(size=(B, T)),
+        "turn_rewards": rng.normal(size=(B, T)),
         "rewards": np.array([0.7, 0.2, 0.7, 1.0, 0.0, 0.5]),
         "group_ids": np.array([0, 0, 0, 1, 1, 1]),
     }
@@ -114,7 +115,9 @@ def both(run, dtype: torch.dtype, junk: float) -> None:
 @pytest.mark.parametrize("name", sorted(ADVANTAGES))
 def test_advantage_estimators(name, junk, dtype):
     def advantages(p: Padded):
-        inp = AdvantageInput(p("rewards"), p.mask, p("group_ids"), p("token_rewards"), p("values"))
+        inp = AdvantageInput(
+            p("rewards"), p.mask, p("group_ids"), p("token_rewards"), p("values"), turn_rewards=p("turn_rewards")
+        )
         return ADVANTAGES[name](inp, AdvantageConfig(gamma=0.9, lam=0.8))
 
     both(advantages, dtype, junk)

@@ -12,7 +12,7 @@ import pytest
 from generator_common import make_generator, play_groups, save_tiny_model
 
 from asyncrl import buffers
-from asyncrl.buffers.base import lost_groups, unfinished_groups
+from asyncrl.buffers.base import BufferUnavailableError, lost_groups, unfinished_groups
 from asyncrl.config import load_config
 from asyncrl.control import RunControl, connect
 from asyncrl.generators.hf_engine import HfEngine
@@ -152,3 +152,17 @@ def test_past_the_failure_limit_the_generator_stops_the_run_with_the_cause(gener
     assert gen.control.stop_requested() and fatal is not None
     assert "episodes failed" in fatal and "reward_invalid" in fatal and "str" in fatal
     assert_accounted(gen)  # the groups it had in flight went back as abandoned
+
+
+def test_an_infrastructure_error_ends_the_generator_not_an_episode(generator):
+    """What escapes a group (the buffer gone) is no episode's failure: the loop raises it, and the
+    launcher restarts the generator."""
+    gen = generator(**{"run.steps": 1000})
+
+    def unreachable(*args, **kwargs):
+        raise BufferUnavailableError("redis at 127.0.0.1:1 stayed unreachable")
+
+    gen.buffer.push = unreachable
+    with pytest.raises(BufferUnavailableError, match="unreachable"):
+        asyncio.run(gen.run())
+    assert gen.failures.last_failure is None  # no episode was failed for it
