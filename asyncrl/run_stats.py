@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import time
 from pathlib import Path
 
@@ -195,8 +196,20 @@ class RunStats:
     def write_summary(self, run_dir: Path, exit_reason: str) -> dict:
         self.sink.close()
         summary = self.summary(exit_reason)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        # valid JSON whatever a metric held: a non-finite number is written as null
+        (run_dir / "summary.json").write_text(json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
         return summary
+
+
+def _finite(obj):
+    """``obj`` with every NaN or infinity (at any depth) replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _top(counts: collections.Counter, n: int = 2) -> str:
