@@ -83,6 +83,9 @@ class Engine(abc.ABC):
     def has_unfinished(self) -> bool:
         """Whether any added request has not finished or been aborted."""
 
+    def bind_thread(self) -> None:  # noqa: B027 - optional hook
+        """Called once on the thread that will run ``step`` (the scheduler's engine thread)."""
+
     @abc.abstractmethod
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Replace every weight at once (HF names); called only between engine calls or steps."""

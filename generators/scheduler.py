@@ -61,7 +61,7 @@ class _Turn:
 class EnginePump:
     def __init__(self, engine: Engine, feed: WeightFeed, on_update: str):
         self.engine, self.feed, self.on_update = engine, feed, on_update
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, "engine", initializer=engine.bind_thread)
         self._queue: list[_Turn] = []
         self._live: dict[str, _Turn] = {}
         self._cancelled: list[str] = []

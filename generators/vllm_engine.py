@@ -60,6 +60,12 @@ class VllmEngine(Engine):
             gpu_memory_utilization=0.3,
         )
 
+    def bind_thread(self) -> None:
+        # vLLM's CPU attention sizes its metadata with torch's thread count and runs with OpenMP's,
+        # which a new thread takes from the environment: make the step thread's agree (else it aborts
+        # "Check failed: thread_num" whenever something set torch's count, e.g. CPU pinning)
+        torch.set_num_threads(torch.get_num_threads())
+
     def add_request(self, request_id: str, prompt: list[int], sampling: Sampling) -> None:
         params = _params(sampling, sampling.max_new_tokens)
         self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
