@@ -90,4 +90,4 @@ def ensure_model(cfg: Config, log=print) -> None:
     from asyncrl.demo.model import prepare_demo_model
 
     log(f"building the demo model at {path} (once; cached)")
-    prepare_demo_model(path, seed=cfg.run.seed, log=log)
+    prepare_demo_model(path, seed=cfg.run.seed, log=log, recipe=cfg.model.recipe)

@@ -79,10 +79,6 @@ class Engine(abc.ABC):
     def abort_requests(self, request_ids: list[str]) -> None:
         """Stop these requests (unknown or finished ids are ignored); they produce no more output."""
 
-    @abc.abstractmethod
-    def has_unfinished(self) -> bool:
-        """Whether any added request has not finished or been aborted."""
-
     def bind_thread(self) -> None:  # noqa: B027 - optional hook
         """Called once on the thread that will run ``step`` (the scheduler's engine thread)."""
 

@@ -91,6 +91,3 @@ class HfEngine(Engine):
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._requests.pop(rid, None)
-
-    def has_unfinished(self) -> bool:
-        return bool(self._requests)

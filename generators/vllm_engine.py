@@ -84,9 +84,6 @@ class VllmEngine(Engine):
         if request_ids:
             self.llm.llm_engine.abort_request(request_ids)
 
-    def has_unfinished(self) -> bool:
-        return self.llm.llm_engine.has_unfinished_requests()
-
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         self.llm.collective_rpc("asyncrl_reload", args=(tensors,))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights

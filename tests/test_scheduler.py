@@ -46,9 +46,6 @@ class CountingEngine(Engine):
         for rid in request_ids:
             self.live.pop(rid, None)
 
-    def has_unfinished(self):
-        return bool(self.live)
-
     def load_weights(self, tensors):
         self.loaded = tensors["v"]
 
@@ -152,7 +149,7 @@ def test_a_cancelled_turn_is_aborted_in_the_engine():
         turn.cancel()
         with pytest.raises(asyncio.CancelledError):
             await turn
-        while engine.has_unfinished():
+        while engine.live:
             await asyncio.sleep(0)
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)

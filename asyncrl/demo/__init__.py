@@ -1,6 +1,9 @@
-"""The embedded demo, offline and on two CPU cores: a procedural task and the model recipe that
-warms a tiny Llama up on it (``configs/demo-cpu.yaml``).
+"""The embedded demos, offline and on two CPU cores: procedural tasks and the model recipes that warm a
+tiny Llama up on each (``configs/demo-cpu.yaml``, ``demo-calc.yaml``, ``demo-guess.yaml``).
 
 * ``sort``: sort 4-6 letters; prompts, held-out split and the reward.
-* ``model``: the ``demo-sort`` recipe (byte tokenizer, tiny Llama, a short supervised warm-up).
+* ``calc``: arithmetic solved by calling a calculator tool (a two-turn tool episode).
+* ``guess``: find a secret number from higher/lower replies (a gym-shaped Env, up to 4 turns).
+* ``latency``: the environment-latency setting both agentic tasks share (fixed or log-normal).
+* ``model``, ``warmup``: the recipes (byte tokenizer, tiny Llama, a short supervised warm-up).
 """

@@ -1,4 +1,5 @@
-"""The demo policy: a byte-level tokenizer and a tiny Llama warmed up on the sort task.
+"""The demo policy: a byte-level tokenizer and a tiny Llama warmed up on a demo task (``demo-sort`` here;
+the agentic ``demo-calc`` and ``demo-guess`` in ``asyncrl.demo.warmup``).
 
 Invariants:
 - Tokenization is one token per byte and adds NO special tokens (no BOS): ``encode(text)`` gives
@@ -61,7 +62,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars), strict=True))
 
 
-def build_tokenizer():
+def build_tokenizer(max_positions: int = MAX_POSITIONS):
     """Byte-level tokenizer: ids 0-255 are bytes, 256-258 are <pad>, <s>, </s>. No download."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -73,11 +74,11 @@ def build_tokenizer():
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([PAD, BOS, EOS])
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, model_max_length=MAX_POSITIONS
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, model_max_length=max_positions
     )
 
 
-def build_model(tokenizer, seed: int = 0):
+def build_model(tokenizer, seed: int = 0, max_positions: int = MAX_POSITIONS):
     """A fresh tiny Llama (head_dim 32: vLLM's CPU attention refuses 16), float32, untied head."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -90,7 +91,7 @@ def build_model(tokenizer, seed: int = 0):
         num_attention_heads=4,
         num_key_value_heads=4,
         head_dim=32,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -221,19 +222,36 @@ def is_prepared(path: str | Path) -> bool:
     return (Path(path) / RECIPE_FILE).is_file()
 
 
-def prepare_demo_model(path: str | Path, seed: int = 0, log: Callable[[str], Any] = print) -> Path:
-    """Build, warm up and save the demo model at ``path``; return at once if it is already there.
+def prepare_demo_model(
+    path: str | Path, seed: int = 0, log: Callable[[str], Any] = print, recipe: str = RECIPE
+) -> Path:
+    """Build, warm up and save the ``recipe``'s demo model at ``path``; return at once if it is already there.
 
+    ``demo-sort`` is built here; ``demo-calc`` and ``demo-guess`` (multi-turn) by ``asyncrl.demo.warmup``.
     Concurrent callers are safe: each builds in its own temp directory and the first rename wins.
     """
-    import torch
-
     path = Path(path)
     if is_prepared(path):
+        cached = json.loads((path / RECIPE_FILE).read_text()).get("recipe")
+        if cached != recipe:
+            raise FileExistsError(f"{path} holds the {cached} demo model, not {recipe}")
         log(f"demo model: using cached {path}")
         return path
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} exists, is not empty and holds no {RECIPE_FILE}; not overwriting it")
+    if recipe == RECIPE:
+        model, tokenizer, record = _build_sort(seed, log)
+    else:
+        from asyncrl.demo import warmup
+
+        model, tokenizer, record = warmup.build(recipe, seed, log)
+    _publish(path, model, tokenizer, record)
+    return path
+
+
+def _build_sort(seed: int, log: Callable[[str], Any]):
+    import torch
+
     torch.manual_seed(seed)
     started = time.monotonic()
     train, held_out = sort.make_splits(sort.N_TRAIN, sort.N_EVAL, sort.DATA_SEED)
@@ -247,7 +265,7 @@ def prepare_demo_model(path: str | Path, seed: int = 0, log: Callable[[str], Any
         f"demo model: {SFT_STEPS} SFT steps in {seconds:.1f}s, held-out greedy "
         f"reward {scores['reward_mean']:.3f} exact {scores['exact_rate']:.3f}"
     )
-    recipe = {
+    record = {
         "recipe": RECIPE,
         "seed": seed,
         "sft_steps": SFT_STEPS,
@@ -257,8 +275,7 @@ def prepare_demo_model(path: str | Path, seed: int = 0, log: Callable[[str], Any
         "eval_exact": scores["exact_rate"],
         "eval_records": len(held_out),
     }
-    _publish(path, model, tokenizer, recipe)
-    return path
+    return model, tokenizer, record
 
 
 def _portable_tokenizer_class(directory: Path) -> None:
