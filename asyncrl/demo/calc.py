@@ -25,7 +25,7 @@ import random
 import re
 from typing import TYPE_CHECKING
 
-from asyncrl.demo import latency
+from asyncrl.demo import latency, sort
 from asyncrl.tools import tool
 
 if TYPE_CHECKING:
@@ -104,15 +104,7 @@ def make_record(rng: random.Random) -> dict:
 
 def make_splits(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
     """Train and held-out records, all prompts distinct; eval is drawn first (see ``sort.make_splits``)."""
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    records: list[dict] = []
-    while len(records) < n_eval + n_train:
-        rec = make_record(rng)
-        if rec["prompt"] not in seen:
-            seen.add(rec["prompt"])
-            records.append(rec)
-    return records[n_eval:], records[:n_eval]
+    return sort.distinct_splits(make_record, n_train, n_eval, seed)
 
 
 def reward(prompt: str, completion: str, record: dict) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 
 PREFIX = "sort:"
 SUFFIX = "="
@@ -45,11 +46,16 @@ def make_record(rng: random.Random) -> dict:
 def make_splits(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
     """Train and held-out records with all prompts distinct. Eval is drawn first, so changing
     ``n_train`` never changes the eval set. ``scripts/make_sort_data.py`` writes these to disk."""
+    return distinct_splits(make_record, n_train, n_eval, seed)
+
+
+def distinct_splits(make: Callable[[random.Random], dict], n_train: int, n_eval: int, seed: int):
+    """(train, eval) records drawn by ``make`` from one seeded stream, every prompt distinct, eval first."""
     rng = random.Random(seed)
     seen: set[str] = set()
     records: list[dict] = []
     while len(records) < n_eval + n_train:
-        rec = make_record(rng)
+        rec = make(rng)
         if rec["prompt"] not in seen:
             seen.add(rec["prompt"])
             records.append(rec)
