@@ -1,9 +1,11 @@
-"""Prompt datasets and reward functions named by import path."""
+"""Prompt datasets, user code named by import path, and how that code is called."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
+import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +64,20 @@ def import_by_path(spec: str) -> Callable:
     if not callable(fn):
         raise UserError(f"{spec!r} is not callable")
     return fn
+
+
+def is_async(fn: Callable) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one (a remote reward)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+async def call_bounded(fn: Callable, timeout_s: float, *args, **kwargs):
+    """``fn(*args, **kwargs)`` within ``timeout_s`` (``TimeoutError`` past it): awaited if async, else
+    on a worker thread, so plain user code never blocks the event loop. A thread cannot be killed:
+    one that never returns keeps its thread after the timeout fired."""
+    if is_async(fn):
+        return await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
+    return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), timeout_s)
 
 
 def prompt_for_sequence(seq: int, num_prompts: int, seed: int) -> tuple[int, int]:

@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl import rewards
-from asyncrl.data import import_by_path
+from asyncrl.data import call_bounded, import_by_path
 from asyncrl.errors import EpisodeFailure, UserError
 from asyncrl.tools import Tool, ToolCall, load_parser, load_tools
 
@@ -162,9 +162,7 @@ class Context:
         timeout = self._cfg.step_timeout_s
         t0 = time.perf_counter()
         try:
-            if inspect.iscoroutinefunction(fn):
-                return await asyncio.wait_for(fn(*args), timeout)
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout)
+            return await call_bounded(fn, timeout, *args)
         except TimeoutError:
             raise EpisodeFailure("env_timeout", f"{_name(fn)} took longer than {timeout:g} s") from None
         except EpisodeFailure:
@@ -238,7 +236,7 @@ def env_episode(make_env: Callable[[], Env], max_turns: int) -> Episode:
                 step_parts = rewards.reward_parts((info or {}).get("reward_parts", reward))
                 for name, value in step_parts.items():
                     parts[name] += value
-                ctx.reward_turn(rewards.total(step_parts))
+                ctx.reward_turn(sum(step_parts.values()))
                 if done:
                     break
                 ctx.observe(observation)
@@ -310,6 +308,11 @@ class Outcome:
     @property
     def status(self) -> str:
         return self.cause or "ok"
+
+    @property
+    def reward(self) -> float | None:
+        """The episode's reward (its parts' sum); None for a failed one."""
+        return None if self.parts is None else sum(self.parts.values())
 
 
 async def run_episode(episode: Episode, ctx: Context, timeout_s: float) -> Outcome:

@@ -19,14 +19,12 @@ which runs it in replaceable worker processes.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import math
 import numbers
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
 
-from asyncrl.data import import_by_path
+from asyncrl.data import call_bounded, import_by_path
 from asyncrl.errors import EpisodeFailure
 
 Reward = float | dict[str, float]
@@ -47,10 +45,7 @@ async def score(fn: RewardFn, prompt: str, completion: str, record: dict, timeou
     """``fn(prompt, completion, record)`` judged (see the module doc): the reward's named parts, one
     part named ``reward`` for a plain number. Raises :class:`EpisodeFailure`."""
     try:
-        if is_async(fn):
-            value = await asyncio.wait_for(fn(prompt, completion, record), timeout_s)
-        else:
-            value = await asyncio.wait_for(asyncio.to_thread(fn, prompt, completion, record), timeout_s)
+        value = await call_bounded(fn, timeout_s, prompt, completion, record)
     except TimeoutError:
         raise EpisodeFailure("reward_timeout", f"no score within {timeout_s:g} s") from None
     except EpisodeFailure:
@@ -58,11 +53,6 @@ async def score(fn: RewardFn, prompt: str, completion: str, record: dict, timeou
     except Exception as exc:  # noqa: BLE001 - the user's reward: any error is data, not a crash
         raise EpisodeFailure("reward_error", one_line(exc)) from exc
     return reward_parts(value)
-
-
-def is_async(fn: Callable) -> bool:
-    """An ``async def`` function, or an object whose ``__call__`` is one (a remote reward)."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def reward_parts(value: object) -> dict[str, float]:
@@ -73,10 +63,6 @@ def reward_parts(value: object) -> dict[str, float]:
             raise EpisodeFailure("reward_invalid", "an empty mapping of reward parts")
         return parts
     return {"reward": _finite(value, "the reward")}
-
-
-def total(parts: Mapping[str, float]) -> float:
-    return float(sum(parts.values()))
 
 
 def _finite(value: object, what: str) -> float:

@@ -15,7 +15,6 @@ thread cannot be killed: one that hangs past its timeout keeps its thread while 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import inspect
 import json
@@ -23,7 +22,7 @@ import re
 import typing
 from collections.abc import Callable
 
-from asyncrl.data import import_by_path
+from asyncrl.data import call_bounded, import_by_path
 from asyncrl.errors import EpisodeFailure, UserError
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
@@ -48,10 +47,7 @@ class Tool:
     async def __call__(self, arguments: dict, timeout_s: float) -> str:
         """The tool's result as text; :class:`EpisodeFailure` ``tool_error`` / ``tool_timeout``."""
         try:
-            if inspect.iscoroutinefunction(self.fn):
-                result = await asyncio.wait_for(self.fn(**arguments), timeout_s)
-            else:
-                result = await asyncio.wait_for(asyncio.to_thread(self.fn, **arguments), timeout_s)
+            result = await call_bounded(self.fn, timeout_s, **arguments)
         except TimeoutError:
             raise EpisodeFailure("tool_timeout", f"{self.name} gave no result within {timeout_s:g} s") from None
         except Exception as exc:  # noqa: BLE001 - the tool's own error is the episode's data

@@ -69,7 +69,7 @@ class EpisodeStats:
         if outcome.cause is not None:
             self.failures[outcome.cause] += 1
         else:
-            self.rewards.append(sum(outcome.parts.values()))
+            self.rewards.append(outcome.reward)
 
     def record(self, in_flight: int, idle_fraction: float | None) -> dict:
         """The interval's metrics."""

@@ -27,6 +27,7 @@ class HfEngine(Engine):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling, version: int = 0) -> list[list[Completion]]:
         flat = [p for p in prompts for _ in range(sampling.n)]
+        stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=self.device)
         width = max(len(p) for p in flat)
         # left-pad so every row continues at the same position
         ids = torch.full((len(flat), width), self.pad_id, dtype=torch.long)
@@ -54,7 +55,7 @@ class HfEngine(Engine):
             for i in torch.nonzero(~done)[:, 0].tolist():
                 out_tokens[i].append(int(nxt[i]))
                 out_lps[i].append(float(lp[i, nxt[i]]))
-            done |= (nxt == self.eos_id) | torch.isin(nxt, torch.tensor(sampling.stop_token_ids, dtype=torch.long))
+            done |= (nxt == self.eos_id) | torch.isin(nxt, stop_ids)
             if bool(done.all()):
                 break
             step_ids = nxt[:, None]

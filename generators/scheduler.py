@@ -78,11 +78,6 @@ class EnginePump:
     def version(self) -> int:
         return self.feed.version
 
-    @property
-    def running(self) -> int:
-        """Turns queued or in the engine."""
-        return len(self._queue) + len(self._live)
-
     async def complete(self, prompt: list[int], sampling: Sampling) -> Completion:
         """One model turn of ``prompt``; every token with the version that produced it."""
         turn = _Turn(list(prompt), sampling, asyncio.get_running_loop().create_future())

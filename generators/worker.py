@@ -38,12 +38,12 @@ import zlib
 
 import numpy as np
 
-from asyncrl import buffers, rewards
+from asyncrl import buffers
 from asyncrl.buffers.base import live_groups
 from asyncrl.chat import ChatTokens
 from asyncrl.config import Config, load_config
 from asyncrl.control import RunControl, connect
-from asyncrl.data import load_jsonl, prompt_for_sequence
+from asyncrl.data import is_async, load_jsonl, prompt_for_sequence
 from asyncrl.episodes import Context, Outcome, load_episode, run_episode
 from asyncrl.generators.accounting import EpisodeStats, FailureWindow
 from asyncrl.generators.engine import Engine, Sampling, fits
@@ -315,13 +315,13 @@ class Generator:
         pump.cancel()
         await asyncio.gather(pump, return_exceptions=True)
         close = getattr(self.reward_fn, "close", None)  # a remote reward's connections
-        if close is not None and rewards.is_async(close):
+        if close is not None and is_async(close):
             await close()
 
 
 def _eval_score(outcome: Outcome) -> float | None:
     if outcome.cause is None:
-        return sum(outcome.parts.values())
+        return outcome.reward
     return 0.0 if outcome.cause in POLICY_FAILURES else None
 
 
@@ -332,7 +332,7 @@ def _sample(ctx: Context, outcome: Outcome) -> Sample:
         tokens=np.asarray(ctx.tokens, dtype=np.int32),
         logprobs=np.asarray(ctx.logprobs, dtype=np.float32),
         versions=np.asarray(ctx.versions, dtype=np.int32),
-        reward=sum(outcome.parts.values()) if outcome.parts else 0.0,
+        reward=0.0 if outcome.reward is None else outcome.reward,
         finish_reason=ctx.finish_reason,
         mask=np.asarray(ctx.mask, dtype=np.uint8),
         status=outcome.status,

@@ -151,19 +151,15 @@ class SwitchAfter:
         return self.inner.rejected
 
 
-@pytest.mark.parametrize("mode", ["continue", "abort"])
-def test_weights_arriving_mid_generation(cfg, engine, model_dir, redis_server, mode):
-    """continue: a trajectory's tokens carry two versions, each token's log-prob is exactly its
-    version's; abort: unfinished samples restart, so every token is of the new version."""
+def groups_across_a_switch(cfg, engine, model_dir, redis_url: str, prefix: str, seed: int, polls: int):
+    """Two groups generated from version 5, with version 6 arriving after ``polls`` polls of the
+    pump: (the two versions' state dicts, the decoded groups)."""
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.config import load_config
-
-    cfg = load_config(None, {**cfg.model_dump(), "generator.engine.on_weight_update": mode})
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    torch.manual_seed(5)
+    torch.manual_seed(seed)
     states = {v: {k: t + 0.05 * torch.randn_like(t) for k, t in base.items()} for v in (5, 6)}
-    control = RunControl(connect(redis_server.url), f"test-gen-{mode}:")
+    control = RunControl(connect(redis_url), prefix)
     publisher = setup_publisher(cfg.weights)
     subscriber = setup_subscriber(cfg.weights, publisher.address, "generator-0", have=0)
     try:
@@ -171,40 +167,54 @@ def test_weights_arriving_mid_generation(cfg, engine, model_dir, redis_server, m
         publisher.publish(5, states[5])
         assert apply_newest(gen) and gen.version == 5
         publisher.publish(6, states[6])
-        gen.feed.subscriber = SwitchAfter(subscriber, polls=3)  # after the 3rd engine step
+        gen.feed.subscriber = SwitchAfter(subscriber, polls=polls)
         play_groups(gen, [gen.buffer.try_start_group(gen.version, 1, 2) for _ in range(2)])
         assert gen.version == 6
-        groups = [decode_group(e.frame) for e in gen.buffer.read("rank0", 10, 0)]
-        samples = [(g, s) for g in groups for s in g.samples]
-        assert all(set(s.versions) <= {5, 6} for _, s in samples)
-        if mode == "abort":
-            assert all(set(s.versions) == {6} or s.finish_reason == "stop" for _, s in samples)
-            assert any(set(s.versions) == {6} for _, s in samples)
-        else:
-            mixed = [s for _, s in samples if set(s.versions) == {5, 6}]
-            assert mixed, "no sample was still running at the switch"
-            assert all(np.all(np.diff(s.versions) >= 0) for _, s in samples), "versions only move forward"
-            switched = [g for g in groups if any(set(s.versions) == {5, 6} for s in g.samples)]
-            assert all(g.version == 5 for g in switched), "a trajectory counts as its oldest version"
-        worst = 0.0
-        for g, s in samples:
-            for v in (5, 6):
-                mine = s.versions == v
-                if mine.any():
-                    ref = learner_logprobs(states[v], model_dir, g.prompt_ids, s.tokens)
-                    worst = max(worst, float(np.abs(ref[mine] - s.logprobs[mine]).max()))
-        assert worst < 1e-4, f"vLLM vs learner log-prob max |diff| {worst}"
+        return states, [decode_group(e.frame) for e in gen.buffer.read("rank0", 10, 0)]
     finally:
         subscriber.close()
         publisher.close()
+
+
+def worst_logprob_diff(states, model_dir, groups) -> float:
+    """The largest |vLLM - learner| log-prob over model tokens, each against its own version's weights."""
+    worst = 0.0
+    for g in groups:
+        for s in g.samples:
+            for v in (5, 6):
+                mine = (s.versions == v) & (s.mask == 1)
+                if mine.any():
+                    ref = learner_logprobs(states[v], model_dir, g.prompt_ids, s.tokens)
+                    worst = max(worst, float(np.abs(ref[mine] - s.logprobs[mine]).max()))
+    return worst
+
+
+@pytest.mark.parametrize("mode", ["continue", "abort"])
+def test_weights_arriving_mid_generation(cfg, engine, model_dir, redis_server, mode):
+    """continue: a trajectory's tokens carry two versions, each token's log-prob is exactly its
+    version's; abort: unfinished samples restart, so every token is of the new version."""
+    cfg = load_config(None, {**cfg.model_dump(), "generator.engine.on_weight_update": mode})
+    # after the 3rd engine step
+    states, groups = groups_across_a_switch(cfg, engine, model_dir, redis_server.url, f"test-gen-{mode}:", 5, 3)
+    samples = [(g, s) for g in groups for s in g.samples]
+    assert all(set(s.versions) <= {5, 6} for _, s in samples)
+    if mode == "abort":
+        assert all(set(s.versions) == {6} or s.finish_reason == "stop" for _, s in samples)
+        assert any(set(s.versions) == {6} for _, s in samples)
+    else:
+        mixed = [s for _, s in samples if set(s.versions) == {5, 6}]
+        assert mixed, "no sample was still running at the switch"
+        assert all(np.all(np.diff(s.versions) >= 0) for _, s in samples), "versions only move forward"
+        switched = [g for g in groups if any(set(s.versions) == {5, 6} for s in g.samples)]
+        assert all(g.version == 5 for g in switched), "a trajectory counts as its oldest version"
+    worst = worst_logprob_diff(states, model_dir, groups)
+    assert worst < 1e-4, f"vLLM vs learner log-prob max |diff| {worst}"
 
 
 def test_a_multi_turn_episode_crossing_two_versions_under_continue(cfg, engine, model_dir, redis_server):
     """Three-turn environment episodes, weights switching from version 5 to 6 mid-flight: model
     tokens carry the version that sampled each and its exact log-prob (environment tokens: mask 0,
     version -1); the learner's forward pass over the whole sequence agrees on every model token."""
-    from transformers import AutoModelForCausalLM
-
     cfg = load_config(
         None,
         {
@@ -215,35 +225,14 @@ def test_a_multi_turn_episode_crossing_two_versions_under_continue(cfg, engine, 
             "generator.max_new_tokens": 6,
         },
     )
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    torch.manual_seed(7)
-    states = {v: {k: t + 0.05 * torch.randn_like(t) for k, t in base.items()} for v in (5, 6)}
-    control = RunControl(connect(redis_server.url), "test-gen-multiturn:")
-    publisher = setup_publisher(cfg.weights)
-    subscriber = setup_subscriber(cfg.weights, publisher.address, "generator-0", have=0)
-    try:
-        gen = make_generator(cfg, engine, control, subscriber, model_dir)
-        publisher.publish(5, states[5])
-        assert apply_newest(gen) and gen.version == 5
-        publisher.publish(6, states[6])
-        gen.feed.subscriber = SwitchAfter(subscriber, polls=8)  # a few steps into the episodes
-        play_groups(gen, [gen.buffer.try_start_group(gen.version, 1, 2) for _ in range(2)])
-        assert gen.version == 6
-        groups = [decode_group(e.frame) for e in gen.buffer.read("rank0", 10, 0)]
-        samples = [(g, s) for g in groups for s in g.samples]
-        assert all(s.turns == 3 and s.status == "ok" for _, s in samples)
-        assert any(set(s.model_versions) == {5, 6} for _, s in samples), "no episode spanned the switch"
-        worst = 0.0
-        for g, s in samples:
-            env = s.mask == 0
-            assert env.any() and np.all(s.versions[env] == -1) and np.all(s.logprobs[env] == 0)
-            assert np.all(np.diff(s.model_versions) >= 0), "versions only move forward"
-            for v in (5, 6):
-                mine = (s.versions == v) & (s.mask == 1)
-                if mine.any():
-                    ref = learner_logprobs(states[v], model_dir, g.prompt_ids, s.tokens)
-                    worst = max(worst, float(np.abs(ref[mine] - s.logprobs[mine]).max()))
-        assert worst < 1e-4, f"vLLM vs learner log-prob max |diff| {worst}"
-    finally:
-        subscriber.close()
-        publisher.close()
+    # a few steps into the episodes
+    states, groups = groups_across_a_switch(cfg, engine, model_dir, redis_server.url, "test-gen-multiturn:", 7, 8)
+    samples = [s for g in groups for s in g.samples]
+    assert all(s.turns == 3 and s.status == "ok" for s in samples)
+    assert any(set(s.model_versions) == {5, 6} for s in samples), "no episode spanned the switch"
+    for s in samples:
+        env = s.mask == 0
+        assert env.any() and np.all(s.versions[env] == -1) and np.all(s.logprobs[env] == 0)
+        assert np.all(np.diff(s.model_versions) >= 0), "versions only move forward"
+    worst = worst_logprob_diff(states, model_dir, groups)
+    assert worst < 1e-4, f"vLLM vs learner log-prob max |diff| {worst}"

@@ -282,7 +282,7 @@ def play(model, tokenizer, recipe: Recipe, records: Sequence[dict], temperature:
 
 def success_rate(played) -> float:
     """Share of played episodes that scored 1.0 or more (a failed episode counts as a miss)."""
-    return sum(o.parts is not None and sum(o.parts.values()) >= 1.0 for _, o in played) / max(len(played), 1)
+    return sum(o.reward is not None and o.reward >= 1.0 for _, o in played) / max(len(played), 1)
 
 
 def measure(model, tokenizer, recipe: Recipe, held_out: Sequence[dict], seed: int) -> dict[str, float]:
