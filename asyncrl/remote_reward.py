@@ -34,7 +34,7 @@ whatever the reward costs.
 Client policy. ``timeout_s`` bounds one logical call, queueing for a connection slot, every attempt
 and back-off included: when it runs out the call raises ``EpisodeFailure("reward_timeout")``. A
 connect error, a dropped connection, 429 and 5xx are retried up to ``retries`` times with jittered
-exponential back-off (``backoff_s * 2**attempt``, times 0.5-1.5, at most 5 s); nothing else is (a
+exponential back-off (``min(5 s, backoff_s * 2**attempt)``, times 0.5-1.5); nothing else is (a
 4xx or an ``error`` answer would only fail again). At most ``concurrency`` requests of one client
 are in flight at once (an ``asyncio.Semaphore``), so a burst of episodes cannot flood the server.
 Every failure is an :class:`EpisodeFailure` (``reward_error`` or the server's cause), never a
