@@ -18,6 +18,11 @@ def _launch_parser(sub) -> None:
     p.add_argument("--name", help="run name; the run directory is runs/<name> (run.name)")
     p.add_argument("--redis-url", help="use this Redis server instead of starting one")
     p.add_argument(
+        "--host",
+        help="an address of this host for the run's Redis and weight bus to listen on besides loopback, so "
+        "generators on other hosts can join (run.host)",
+    )
+    p.add_argument(
         "--resume",
         metavar="RUN_DIR",
         help="continue the stopped or crashed run in RUN_DIR (runs/<name>) from its committed checkpoint, "
@@ -31,6 +36,14 @@ def _launch_parser(sub) -> None:
         metavar="KEY=VALUE",
         help="dotted config override, e.g. --set learner.lr=1e-5 (repeatable)",
     )
+    p.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="local: every process on this machine; ray: learners and generators as actors of a running Ray "
+        "cluster (this machine is its head: the run's Redis stays here)",
+    )
+    p.add_argument("--address", help="the Ray cluster to join with --backend ray: auto (default) or HOST:PORT")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; start nothing")
     p.set_defaults(func=cmd_launch)
 
@@ -46,6 +59,7 @@ def resolve_config(args):
         "run.steps": args.steps,
         "run.name": args.name,
         "buffer.url": args.redis_url,
+        "run.host": args.host,
     }
     overrides.update({k: v for k, v in flags.items() if v is not None})
     if not args.resume:
@@ -85,7 +99,14 @@ def cmd_launch(args) -> int:
 
         resume = load_resume_point(cfg.run_dir)
         check_resumable(resume, cfg.run.steps)
-    launcher = Launcher(cfg, console=console, resume=resume)
+    if args.backend == "ray":
+        from asyncrl.ray_backend import RayLauncher
+
+        launcher = RayLauncher(cfg, address=args.address or "auto", console=console, resume=resume)
+    elif args.address:
+        raise UserError("--address names a Ray cluster: it goes with --backend ray")
+    else:
+        launcher = Launcher(cfg, console=console, resume=resume)
     code = launcher.run()
     summary = launcher.stats.summary("")
     console.print(
@@ -181,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     _launch_parser(sub)
     _status_parser(sub)
     _reward_serve_parser(sub)
+    from asyncrl import fleet
+
+    fleet.add_parsers(sub)
+    from asyncrl import slurm
+
+    slurm.add_parser(sub)
     p = sub.add_parser("prepare-demo", help="build (once) the demo model named by a config")
     p.add_argument("--config", default="configs/demo-cpu.yaml")
     p.set_defaults(func=cmd_prepare_demo)

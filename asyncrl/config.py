@@ -13,7 +13,7 @@ import yaml
 from pydantic import Discriminator, Field, PrivateAttr, Tag, ValidationError, model_validator
 
 from asyncrl.errors import UserError
-from asyncrl.sections import EpisodeConfig, Section
+from asyncrl.sections import EpisodeConfig, RunConfig, Section
 
 _Section = Section
 
@@ -27,44 +27,6 @@ def _type_or(default: str):
         return getattr(value, "type", default)
 
     return discriminate
-
-
-class RunConfig(_Section):
-    name: str = Field(
-        "demo",
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
-        description="Run name: letters, digits, '_', '.', '-', starting with a letter or digit (so the run "
-        "directory out_dir/name is always a new child of out_dir, never . or ..).",
-    )
-    out_dir: str = Field("runs", description="Parent folder of run directories.")
-    seed: int = Field(0, description="Seed for prompts order, sampling and model init.")
-    steps: int = Field(40, ge=1, description="Learner optimizer steps to run (the final policy version).")
-    max_policy_lag: int = Field(
-        1,
-        ge=0,
-        description="k: a learner step at version v trains only on trajectories of version >= v - k. 0 = on-policy.",
-    )
-    generators: int = Field(1, ge=1, le=256, description="Generator processes the launcher starts.")
-    learners: int = Field(1, ge=1, le=64, description="Learner ranks (one torch.distributed group).")
-    eval_every: int = Field(
-        10, ge=0, description="Greedy held-out evaluation every this many versions (0: first and last only)."
-    )
-    max_generator_restarts: int = Field(3, ge=0, description="Restarts of crashed generators before the run fails.")
-    max_redis_restarts: int = Field(
-        3, ge=0, description="Restarts of the launcher's own redis-server (from its AOF) before the run fails."
-    )
-    timeout_s: float = Field(3600.0, gt=0, description="Wall-clock limit of the whole run.")
-    cpu_scheduling: bool = Field(
-        True,
-        description="On CPU-only machines pin learner rank r and generator r to core r and run generators at "
-        "generator_nice, so learner collectives never wait behind sampling (the learner is the critical path).",
-    )
-    generator_nice: int = Field(10, ge=0, le=19, description="Niceness of generators under cpu_scheduling.")
-    overwrite: bool = Field(
-        False,
-        description="Start over in an existing run directory of the same name (its checkpoints, buffer and "
-        "metrics are deleted); false: such a launch refuses (continue a run with `--resume runs/<name>`).",
-    )
 
 
 # Where each model recipe builds (and caches) its model.
@@ -286,11 +248,21 @@ class AlgorithmConfig(_Section):
 
 
 class _WeightsBase(_Section):
-    bucket_mb: int = Field(64, ge=1, description="Bucket size of the bucketed state dict (MiB).")
+    bucket_mb: int = Field(
+        64,
+        ge=1,
+        description="Bucket size of the bucketed state dict (MiB). A zmq relay chain uses at most 8 MiB (its "
+        "pipeline is as deep as a version has buckets).",
+    )
 
 
 class ZmqWeightsConfig(_WeightsBase):
     type: Literal["zmq"] = Field("zmq", description="ZeroMQ from learner rank 0 to generators (tcp/ipc, any host).")
+    relay: bool = Field(
+        True,
+        description="Generators relay each version's buckets to one another (a pipelined chain), so the "
+        "publisher sends it about once whatever the fleet size; false: the publisher sends it to every one.",
+    )
 
 
 class ShmWeightsConfig(_WeightsBase):
@@ -430,15 +402,17 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
-    """Read YAML (or defaults), apply dotted overrides, validate. Raises UserError naming the field."""
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None, text: str | None = None) -> Config:
+    """Read YAML from ``path`` (or ``text``; else defaults), apply dotted overrides, validate. Raises
+    UserError naming the field."""
     tree: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
+        if not Path(path).is_file():
             raise UserError(f"config file not found: {path}")
+        text = Path(path).read_text()
+    if text is not None:
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -474,8 +448,7 @@ def _describe(error: dict) -> str:
 
 
 def dump_config(cfg: Config) -> str:
-    """The resolved config as YAML, secrets redacted (what ``--dry-run`` prints and ``config.yaml`` holds;
-    processes get the Redis URL from the launcher, not from this file)."""
+    """The resolved config as YAML, secrets redacted (what ``--dry-run`` prints and ``config.yaml`` holds)."""
     from asyncrl.redis_server import redact_url
 
     tree = cfg.model_dump(mode="json")

@@ -5,13 +5,61 @@ Every process of a run talks to the same Redis (the buffer's); the keys are in `
 from __future__ import annotations
 
 import json
+import secrets
 import time
 
 import redis
 
 from asyncrl.keys import RunKeys
 
-HEARTBEAT_TTL_S = 30  # long enough for a generator busy in one engine call on a loaded 2-core machine
+HEARTBEAT_TTL_S = 30  # learners: one heartbeat per step
+# A generator renews its lease every tick (0.2 s; its engine runs on another thread): one not renewed
+# for this long is dead or cut off, and its admission slots go back to the run.
+MEMBER_TTL_S = 10.0
+
+# KEYS: leases, members, hb, seen. ARGV: id, token, ttl, beat JSON, take (1: join, taking the lease),
+# then the beat's field/value pairs.
+_RENEW = """
+if ARGV[5] == '1' then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+elseif redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then
+  return 0
+end
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[2], tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[3]), ARGV[1])
+local fields = {}
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[3], unpack(fields))
+redis.call('EXPIRE', KEYS[3], math.ceil(tonumber(ARGV[3])))
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[4])
+return 1
+"""
+
+# KEYS: leases, members, hb. ARGV: id, token.
+_LEAVE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('DEL', KEYS[3])
+end
+return 0
+"""
+
+# KEYS: members, leases, inflight. Returns {id, groups taken, ...} of every expired lease.
+_REAP = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local out = {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('HDEL', KEYS[2], id)
+  local n = tonumber(redis.call('HGET', KEYS[3], id)) or 0
+  redis.call('HSET', KEYS[3], id, 0)
+  out[#out + 1] = id
+  out[#out + 1] = n
+end
+return out
+"""
 
 
 def connect(url: str) -> redis.Redis:
@@ -36,6 +84,9 @@ class RunControl:
         self.r = client
         self.prefix = prefix
         self.keys = RunKeys(prefix)
+        self._renew = client.register_script(_RENEW)
+        self._leave = client.register_script(_LEAVE)
+        self._reap = client.register_script(_REAP)
         self.bad_metrics = 0  # metric entries read_metrics skipped (not a JSON object)
 
     # -- metadata ---------------------------------------------------------------------------------
@@ -92,8 +143,53 @@ class RunControl:
             value, _ = p.execute()
         return int(value or 0)
 
+    # -- membership: the live fleet -------------------------------------------------------------
+    def new_id(self, role: str, host: str) -> str:
+        """A fresh id for a process joining a running job: ``<host>-<n>``, n counted by the run."""
+        return f"{host}-{self.r.incr(self.keys.ids(role))}"
+
+    def join(self, role: str, ident: str, ttl_s: float = MEMBER_TTL_S) -> str:
+        """Take the lease of ``ident`` (a restarted process takes over its predecessor's) and return
+        its token: :meth:`renew` with it keeps the process a member; a lease not renewed within
+        ``ttl_s`` expires and the process is out of the fleet (see :meth:`reap`)."""
+        token = secrets.token_hex(8)
+        self._beat(role, ident, token, ttl_s, {}, take=True)
+        return token
+
+    def renew(self, role: str, ident: str, token: str, ttl_s: float = MEMBER_TTL_S, **fields) -> bool:
+        """Renew the lease and write the heartbeat; False when the lease is no longer this process's
+        (it expired and was reaped, or a newer process took the id): the caller must stop at once,
+        its admission slots were given back for it."""
+        return self._beat(role, ident, token, ttl_s, fields, take=False)
+
+    def _beat(self, role: str, ident: str, token: str, ttl_s: float, fields: dict, take: bool) -> bool:
+        beat = {"time": time.time(), **fields}
+        keys = [self.keys.leases(role), self.keys.members(role), self.keys.heartbeat(role, ident)]
+        keys.append(self.keys.seen_processes(role))
+        args = [ident, token, ttl_s, json.dumps(beat), int(take), *(x for kv in beat.items() for x in kv)]
+        return bool(self._renew(keys=keys, args=args))
+
+    def leave(self, role: str, ident: str, token: str) -> None:
+        """Give up the lease (a clean exit): out of the fleet at once, not after it expires."""
+        self._leave(keys=[self.keys.leases(role), self.keys.members(role), self.keys.heartbeat(role, ident)],
+                    args=[ident, token])  # fmt: skip
+
+    def members(self, role: str) -> list[str]:
+        """The live fleet of ``role``: the ids whose lease has not expired (by Redis's clock)."""
+        seconds, micros = self.r.time()
+        live = self.r.zrangebyscore(self.keys.members(role), seconds + micros / 1e6, "+inf")
+        return sorted(m.decode() for m in live)
+
+    def reap(self, role: str) -> dict[str, int]:
+        """End every expired lease of ``role`` (a SIGKILLed or cut-off process): out of the fleet, its
+        lease cancelled so it stops if it was only stalled, and its unpushed groups taken for the caller
+        to release. Returns id -> groups taken. Atomic, so two reapers never take a count twice."""
+        raw = self._reap(keys=[self.keys.members(role), self.keys.leases(role), self.keys.inflight])
+        return {raw[i].decode(): int(raw[i + 1]) for i in range(0, len(raw), 2)}
+
     # -- heartbeats -------------------------------------------------------------------------------
     def heartbeat(self, role: str, ident: str, **fields: str | int | float) -> None:
+        """A process's state for ``asyncrl status`` (learners; generators heartbeat with :meth:`renew`)."""
         key = self.keys.heartbeat(role, ident)
         beat = {"time": time.time(), **fields}
         with self.r.pipeline(transaction=False) as p:
@@ -103,8 +199,10 @@ class RunControl:
             p.execute()
 
     def forget_heartbeats(self) -> None:
-        """Drop every live heartbeat (a resumed launch: the processes that sent them are gone)."""
+        """Drop every live heartbeat and lease (a resumed launch: the processes that held them are gone)."""
         keys = list(self.r.scan_iter(match=self.keys.heartbeat("*", "*")))
+        keys += [self.keys.members(role) for role in ("generator", "learner")]
+        keys += [self.keys.leases(role) for role in ("generator", "learner")]
         if keys:
             self.r.delete(*keys)
 

@@ -25,6 +25,12 @@ key                 type                  contents
 ``P staleness``     hash                  staleness of trained groups: steps behind -> groups
 ``P claim:<name>``  string                once-only claims (SET NX), e.g. who evaluates version v
 ``P inflight``      hash                  groups each generator admitted but has not pushed
+``P admissions``    stream                one entry per admitted group: ``seq``, ``live`` (groups holding
+                                          a slot after it), ``limit``; about the newest 200k kept
+``P members:<role>``zset                  live processes of ``role``: id -> when its lease expires
+                                          (Redis server time); the fleet is what has not expired
+``P leases:<role>`` hash                  id -> the token of the process holding that id's lease
+``P ids:<role>``    string                counter that names processes joining a running job
 ``P metrics``       stream                JSON metric records from every process; the launcher reads
                                           and trims it
 ``P stop``          string                set by the launcher; every child loop exits when it sees it
@@ -58,6 +64,7 @@ class RunKeys:
         self.inflight = self.prefix + "inflight"
         self.metrics = self.prefix + "metrics"
         self.stop = self.prefix + "stop"
+        self.admissions = self.prefix + "admissions"
 
     def once(self, token: str) -> str:
         return f"{self.prefix}once:{token}"
@@ -67,6 +74,15 @@ class RunKeys:
 
     def seen_processes(self, role: str) -> str:
         return f"{self.prefix}seen:{role}"
+
+    def members(self, role: str) -> str:
+        return f"{self.prefix}members:{role}"
+
+    def leases(self, role: str) -> str:
+        return f"{self.prefix}leases:{role}"
+
+    def ids(self, role: str) -> str:
+        return f"{self.prefix}ids:{role}"
 
     def claim(self, name: str) -> str:
         return f"{self.prefix}claim:{name}"

@@ -28,16 +28,22 @@ import sys
 import time
 from pathlib import Path
 
+import redis
+
 from asyncrl.buffers.base import lost_groups, unfinished_groups
 from asyncrl.config import Config, dump_config
 from asyncrl.control import RunControl, connect
 from asyncrl.errors import UserError
+from asyncrl.fleet import MASTER_FIELD, engine_env, publish_run, wait_for_leaves, watch_fleet
 from asyncrl.learners.checkpoint import read_committed
-from asyncrl.lifetime import die_with, live_processes
+from asyncrl.lifetime import die_with, live_processes, stop_processes
+from asyncrl.net import interface_of, is_loopback
 from asyncrl.preflight import external_redis_url, preflight
 from asyncrl.redis_server import free_loopback_port, url_address
 from asyncrl.resume import ResumePoint, reset_for_resume
 from asyncrl.run_stats import Progress, RunStats
+from asyncrl.secret import ENV as SECRET_ENV
+from asyncrl.secret import new_secret, read_secret, redis_password, write_secret
 
 STOP_GRACE_S = 10.0  # children get this long to leave on their own before SIGTERM, then SIGKILL
 FINAL_EVAL_TIMEOUT_S = 180.0  # after the learners finish, how long the final evaluation may take
@@ -117,6 +123,9 @@ class Launcher:
         self.run_info: dict = {}
         self.buffer = None
         self.stats: RunStats | None = None
+        self.secret = ""
+        self.learner_master = ""  # host:port of the learners' rendezvous
+        self.fleet: set[str] = set()  # the live generators, as of the last look
 
     # -- set-up ------------------------------------------------------------------------------------
     def prepare_run_dir(self) -> Path:
@@ -141,20 +150,33 @@ class Launcher:
                 shutil.rmtree(self.run_dir / stale, ignore_errors=True)
         return write_secret(self.run_dir / "config.yaml", dump_config(self.cfg), newline=False)
 
+    def take_secret(self) -> str:
+        """The run's secret (``asyncrl.secret``): the resumed run's own, else ``$ASYNCRL_SECRET``, else a
+        new one; kept in ``runs/<name>/secret`` (0600) for ``asyncrl generator --run`` and resumes."""
+        path = self.run_dir / "secret"
+        secret = read_secret(path) if self.resume is not None and path.exists() else None
+        secret = secret or read_secret() or new_secret()
+        write_secret(path, secret)
+        return secret
+
     def start_redis(self) -> str:
         if self.redis_url:
             return self.redis_url
         from asyncrl.redis_server import start_redis_server
 
-        workdir, password = (self.run_dir / "redis").resolve(), None
+        workdir, password = (self.run_dir / "redis").resolve(), redis_password(self.secret)
         if self.resume is not None:  # the same data (the AOF) and password; a new port
             workdir, password = self.resume.redis_dir, self.resume.redis_password
-        self.redis = start_redis_server(workdir, password=password, preexec_fn=die_with(os.getpid()))
+        host = None if is_loopback(self.cfg.run.host) else self.cfg.run.host
+        self.redis = start_redis_server(
+            workdir, password=password, host=host, port=self.cfg.run.redis_port, preexec_fn=die_with(os.getpid())
+        )
         return self.redis.url
 
     def child_env(self, url: str, prefix: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(ASYNCRL_REDIS_URL=url, ASYNCRL_PREFIX=prefix, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env[SECRET_ENV] = self.secret  # the environment, never the command line: ps shows that
         # JIT-built ops (DeepSpeed's CPU shm allreduce) per environment: one machine-wide cache is
         # rebuilt (minutes) whenever another checkout's environment used it last
         env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
@@ -172,17 +194,23 @@ class Launcher:
         cfg, logs = self.cfg, self.run_dir / "logs"
         base = self.child_env(url, prefix)
         master_port = str(free_loopback_port())
-        ncpu = os.cpu_count() or 1
-        for rank in range(cfg.run.learners):
+        ncpu, local = os.cpu_count() or 1, cfg.run.learners - cfg.run.remote_learners
+        # the rendezvous store listens on this address only (learners.engine), gloo's pair sockets on
+        # its interface: loopback, unless ranks on other hosts join (`asyncrl learner`)
+        master, ifname = "127.0.0.1", base.get("GLOO_SOCKET_IFNAME", "lo")
+        if cfg.run.remote_learners:
+            master, ifname = cfg.run.host, interface_of(cfg.run.host)
+        self.learner_master = f"{master}:{master_port}"
+        for rank in range(local):
             env = dict(
                 base,
-                MASTER_ADDR="127.0.0.1",  # the rendezvous store listens here only (learners.engine)
+                MASTER_ADDR=master,
                 MASTER_PORT=master_port,
-                GLOO_SOCKET_IFNAME=base.get("GLOO_SOCKET_IFNAME", "lo"),  # gloo's pair sockets too
+                GLOO_SOCKET_IFNAME=ifname,
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
                 WORLD_SIZE=str(cfg.run.learners),
-                LOCAL_WORLD_SIZE=str(cfg.run.learners),
+                LOCAL_WORLD_SIZE=str(local),
             )
             log_path = logs / f"learner-{rank}.log"
             cmd = [
@@ -197,10 +225,7 @@ class Launcher:
             pin = {rank % ncpu} if self.pin_cpus else None
             self.children.append(Child("learner", rank, cmd, env, log_path, cpus=pin))
         for i in range(cfg.run.generators):
-            # vLLM's CPU backend pins OpenMP threads; one core each keeps generators off each other
-            env = dict(base, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=str(i % ncpu))
-            if cfg.generator.engine.type == "vllm":
-                env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.generator.engine.kv_cache_gb)
+            env = dict(base, **engine_env(cfg.generator.engine, core=i % ncpu))
             log_path = logs / f"generator-{i}.log"
             cmd = [
                 sys.executable,
@@ -243,6 +268,19 @@ class Launcher:
                 self.write_run_info()
         return None
 
+    def watch_fleet(self, control: RunControl) -> None:
+        try:
+            self.fleet = watch_fleet(control, self.buffer, self.fleet, self.log)
+        except redis.RedisError:  # redis-server died since check_redis: the next poll restarts it
+            return
+        self.stats.fleet = len(self.fleet)
+
+    def advertised_redis(self, url: str) -> str:
+        """host:port where processes of other hosts reach the run's Redis (loopback unless run.host)."""
+        if self.redis is None or is_loopback(self.cfg.run.host):
+            return url_address(url)
+        return f"{self.cfg.run.host}:{self.redis.port}"
+
     def release_inflight(self, control: RunControl, c: Child) -> None:
         """A dead generator's admitted-but-unpushed groups would hold admission slots forever."""
         lost = control.take_inflight(str(c.ident))
@@ -252,6 +290,11 @@ class Launcher:
     def restart_learners(self, control: RunControl, failed: Child) -> None:
         code = failed.proc.returncode
         self.learner_restarts += 1
+        if self.cfg.run.remote_learners:
+            raise UserError(
+                f"{failed.name} exited with code {code}; a run with learner ranks on other hosts is not restarted "
+                f"(resume it with --resume {self.run_dir}); see {failed.log_path}:\n{failed.log_tail()}"
+            )
         if self.learner_restarts > self.cfg.learner.max_restarts:
             raise UserError(f"{failed.name} exited with code {code}; see {failed.log_path}:\n{failed.log_tail()}")
         committed = read_committed(self.run_dir / "checkpoint")
@@ -260,19 +303,33 @@ class Launcher:
             f"{failed.name} exited with code {code}; restarting every learner rank from version {start} "
             f"and every generator ({self.learner_restarts}/{self.cfg.learner.max_restarts})"
         )
-        stop_processes(self.children)
+        self.end_for_restart()
         self.remove_stale_weights()
         for c in self.children:
             if c.role == "generator":
                 self.release_inflight(control, c)
                 c.incarnation += 1
         control.forget_meta("weights_address")  # generators wait for the new publisher's
+        self.new_rendezvous()
+        for c in self.children:
+            c.start()
+        self.write_run_info()
+
+    # -- how processes end and meet: a backend's own (asyncrl.ray_backend overrides them) -----------
+    def end_for_restart(self) -> None:
+        """End every process of the run now (a learner restart starts them all again)."""
+        stop_processes(self.children)
+
+    def new_rendezvous(self) -> None:
+        """A fresh rendezvous port for the restarted learner ranks."""
         port = str(free_loopback_port())
         for c in self.children:
             if c.role == "learner":
                 c.env.update(MASTER_PORT=port)
-            c.start()
-        self.write_run_info()
+
+    def end_children(self, grace_s: float) -> None:
+        """Give the run's processes ``grace_s`` to leave on their own, then end them."""
+        stop_processes(self.children, grace_s=grace_s)
 
     def check_redis(self) -> None:
         if self.redis is None or self.redis.is_running():
@@ -296,7 +353,9 @@ class Launcher:
                 control.request_stop(reason)
             except Exception:  # redis may be the thing that failed
                 pass
-        stop_processes(self.children, grace_s=STOP_GRACE_S)
+        self.end_children(STOP_GRACE_S)
+        if control is not None:
+            wait_for_leaves(control, STOP_GRACE_S, self.log)
 
     def remove_stale_weights(self) -> None:
         """Shared-memory weight versions of publishers that died without cleaning up (SIGKILL), this
@@ -334,6 +393,7 @@ class Launcher:
         reason, code = "interrupted", 130
         previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         try:
+            self.secret = self.take_secret()
             url = self.start_redis()
             from asyncrl.buffers import run_prefix
             from asyncrl.buffers import setup as setup_buffer
@@ -354,11 +414,19 @@ class Launcher:
                 "prefix": prefix,
                 "launcher_pid": os.getpid(),
                 "redis_pid": self.redis.pid if self.redis else None,
-                "redis_address": url_address(url),
+                "redis_address": self.advertised_redis(url),
                 "redis_url_file": str(write_secret(self.run_dir / "redis.url", url)),
                 "redis_dir": str(self.redis.workdir) if self.redis else None,
             }
+            publish_run(control, config_path.read_text(), self.run_info["redis_address"])
+            if not is_loopback(cfg.run.host) or not cfg.run.generators:
+                self.log(
+                    f"generators join with: ASYNCRL_SECRET=$(cat {self.run_dir / 'secret'}) "
+                    f"asyncrl generator --redis {self.run_info['redis_address']}"
+                )
             self.spawn(config_path, url, prefix)
+            if cfg.run.remote_learners:  # where `asyncrl learner` ranks meet the launcher's
+                control.set_meta(MASTER_FIELD, self.learner_master)
             self.write_run_info()
             reason, code = self.supervise(control)
         except KeyboardInterrupt:
@@ -396,6 +464,7 @@ class Launcher:
             while True:
                 self.check_redis()  # first: every client of the run waits on it, the launcher too
                 self.stats.drain(control, on_eval=self.log)
+                self.watch_fleet(control)
                 progress.update(self.stats)
                 fatal = control.get_meta("fatal")
                 if fatal is not None:  # a generator's failure limit: the run trains on nothing
@@ -410,36 +479,6 @@ class Launcher:
                 if time.monotonic() > deadline:
                     return "timeout", 1
                 time.sleep(0.25)
-
-
-def stop_processes(children: list[Child], grace_s: float = 0.0) -> None:
-    """Wait up to ``grace_s`` for children to leave on their own, then SIGTERM, then SIGKILL each
-    one's process group (a child's own children go with it)."""
-    deadline = time.monotonic() + grace_s
-    live = [c for c in children if c.proc is not None]
-    while time.monotonic() < deadline and any(c.proc.poll() is None for c in live):
-        time.sleep(0.1)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for c in live:
-            if c.proc.poll() is None:
-                try:
-                    os.killpg(c.proc.pid, sig)
-                except ProcessLookupError:
-                    pass
-        for c in live:
-            try:
-                c.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def write_secret(path: Path, text: str, newline: bool = True) -> Path:
-    """Write ``text`` readable by this user only (the Redis URL carries its password)."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text + ("\n" if newline else ""))
-    return path
 
 
 def _raise_keyboard_interrupt(signum, frame):

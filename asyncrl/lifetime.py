@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,3 +62,24 @@ def live_processes(run_dir: Path) -> dict[str, int]:
         for name, pid in named.items()
         if isinstance(pid, int) and pid > 0 and pid != os.getpid() and pid_alive(pid)
     }
+
+
+def stop_processes(children: list, grace_s: float = 0.0) -> None:
+    """Wait up to ``grace_s`` for children to leave on their own, then SIGTERM, then SIGKILL each
+    one's process group (a child's own children go with it)."""
+    deadline = time.monotonic() + grace_s
+    live = [c for c in children if c.proc is not None]
+    while time.monotonic() < deadline and any(c.proc.poll() is None for c in live):
+        time.sleep(0.1)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for c in live:
+            if c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        for c in live:
+            try:
+                c.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass

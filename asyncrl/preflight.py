@@ -22,6 +22,7 @@ def preflight_light(cfg: Config, redis_url: str | None = None) -> None:
     load_episode(cfg.episode)  # the episode function or Env, its tools and tool parser
     check_model_path(cfg.model)
     check_prompt_lengths(cfg)
+    check_host(cfg)
     from asyncrl.redis_server import check_redis_url, find_redis_binary
 
     redis_url = redis_url or external_redis_url(cfg)
@@ -29,6 +30,29 @@ def preflight_light(cfg: Config, redis_url: str | None = None) -> None:
         check_redis_url(redis_url)
     else:
         find_redis_binary()
+
+
+def check_host(cfg: Config) -> None:
+    """``run.host`` is an address of this machine that others can reach (binding beyond loopback is
+    the user's explicit choice; it must name one concrete address, which is also what is advertised)."""
+    import socket
+
+    from asyncrl.net import is_loopback
+
+    host = cfg.run.host
+    if is_loopback(host):
+        if cfg.run.remote_learners:
+            raise UserError("learner ranks on other hosts (run.local_learners < run.learners) need --host (run.host)")
+        return
+    if host in ("0.0.0.0", "::", "*"):
+        raise UserError(f"run.host={host} would listen everywhere: name the one address other hosts reach this one at")
+    if cfg.weights.type == "shm":
+        raise UserError("weights.type=shm serves one host only: generators on other hosts need weights.type=zmq")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+    except OSError as exc:
+        raise UserError(f"run.host={host} is not an address of this machine ({exc.strerror})") from None
 
 
 def external_redis_url(cfg: Config) -> str | None:

@@ -81,8 +81,18 @@ def check_redis_url(url: str, timeout_s: float = 3.0) -> None:
 class RedisServer:
     """A running ``redis-server`` child process. Stop it with :meth:`stop` (also on ``with`` exit)."""
 
-    def __init__(self, workdir: Path, port: int, password: str, appendonly: bool, binary: str, preexec_fn=None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        port: int,
+        password: str,
+        appendonly: bool,
+        binary: str,
+        preexec_fn=None,
+        host: str | None = None,
+    ) -> None:
         self.preexec_fn = preexec_fn  # run in the child before exec (the launcher's: die with it)
+        self.host = host  # listened on besides loopback (other hosts' processes reach it there)
         self.workdir = Path(workdir)
         self.port = port
         self.password = password
@@ -122,7 +132,7 @@ class RedisServer:
         args = [
             self._binary, "-",
             "--port", str(self.port),
-            "--bind", "127.0.0.1",
+            "--bind", "127.0.0.1", *([self.host] if self.host else []),
             "--protected-mode", "yes",
             "--dir", str(self.workdir),
             "--logfile", str(self.log_path),
@@ -268,11 +278,14 @@ def start_redis_server(
     password: str | None = None,
     appendonly: bool = True,
     *,
+    host: str | None = None,
+    port: int = 0,
     binary: str = REDIS_BINARY,
     timeout_s: float = 10.0,
     preexec_fn=None,
 ) -> RedisServer:
-    """Start ``redis-server`` on a free loopback port with data in ``workdir``; wait until it answers.
+    """Start ``redis-server`` on a free loopback port (or ``port``) with data in ``workdir``; wait until
+    it answers. ``host``: an address of this machine to listen on as well, for other hosts' clients.
 
     Raises :class:`UserError` if the binary is missing, or the server exits or stays silent during
     start-up (the message carries the end of its log).
@@ -286,12 +299,12 @@ def start_redis_server(
     import redis
 
     for attempt in range(_PORT_ATTEMPTS):
-        server = RedisServer(workdir, free_loopback_port(), password, appendonly, exe, preexec_fn)
+        server = RedisServer(workdir, port or free_loopback_port(), password, appendonly, exe, preexec_fn, host)
         try:
             server.start(timeout_s)
             return server
         except (_ServerExited, redis.AuthenticationError) as exc:
             # Most likely the port was taken between picking and binding it; pick another.
-            if attempt == _PORT_ATTEMPTS - 1:
+            if attempt == _PORT_ATTEMPTS - 1 or port:
                 raise UserError(f"{exc}; its log ({server.log_path}) ends with:\n{server.log_tail()}") from None
     raise AssertionError("unreachable")

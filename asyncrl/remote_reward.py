@@ -34,7 +34,8 @@ whatever the reward costs.
 Client policy. ``timeout_s`` bounds one logical call, queueing for a connection slot, every attempt
 and back-off included: when it runs out the call raises ``EpisodeFailure("reward_timeout")``. A
 connect error, a dropped connection, 429 and 5xx are retried up to ``retries`` times with jittered
-exponential back-off (``min(5 s, backoff_s * 2**attempt)``, times 0.5-1.5); nothing else is (a
+exponential back-off (``asyncrl.retry.backoff_s``: ``min(5 s, backoff_s * 2**attempt)``, times 0.5-1.0,
+attempts counted from 0); nothing else is (a
 4xx or an ``error`` answer would only fail again). At most ``concurrency`` requests of one client
 are in flight at once (an ``asyncio.Semaphore``), so a burst of episodes cannot flood the server.
 Every failure is an :class:`EpisodeFailure` (``reward_error`` or the server's cause), never a
@@ -53,11 +54,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import uuid
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from asyncrl.errors import EpisodeFailure, UserError
+from asyncrl.retry import backoff_s
 
 SCHEMA = "asyncrl.reward"
 VERSION = 1
@@ -153,7 +154,7 @@ class RemoteReward:
                 return await self._post(body)
             except _Retryable as exc:
                 last = str(exc)
-            delay = min(_MAX_BACKOFF_S, self.backoff_s * 2**attempt) * random.uniform(0.5, 1.5)
+            delay = backoff_s(attempt, self.backoff_s, _MAX_BACKOFF_S)
             if attempt == attempts - 1 or loop.time() + delay >= deadline:
                 break  # no retry left, or none that could finish in time
             await asyncio.sleep(delay)

@@ -80,6 +80,7 @@ class RunStats:
         self.error: str | None = None
         self.buffer: dict | None = None  # the buffer's counters at the end (pushed, trained, ..., lost)
         self.restarts: dict[str, int] = {}
+        self.fleet: int | None = None  # live generators (the launcher counts their leases)
         self.weight_sync = WeightSync()
         self.sync_seconds: list[float] = []
         self.bad_records = 0  # metric records of the wrong shape (skipped)
@@ -262,6 +263,8 @@ class Progress:
             f"reward {reward}  staleness {stats.staleness_mean:.2f} (max {stats.max_staleness_seen})  "
             f"{'-' if rate is None else f'{rate:.0f}'} samples/s"
         )
+        if stats.fleet is not None:
+            info += f"  {stats.fleet} generators"
         if stats.failures:
             info += f"  [red]failed {sum(stats.failures.values())}[/] ({_top(stats.failures)})"
         self._progress.update(self._task, completed=stats.version, info=info)

@@ -42,6 +42,7 @@ from asyncrl.buffers.base import (
 from asyncrl.buffers.redis_buffer import GROUP, RedisBuffer
 from asyncrl.control import RunControl
 from asyncrl.errors import UserError
+from asyncrl.fleet import CONFIG_FIELD
 from asyncrl.keys import RUN_MARKERS, RunKeys
 from asyncrl.redis_server import check_redis_url, redact_url, start_redis_server, url_address
 
@@ -217,7 +218,12 @@ def collect_status(source: Source, buffer: RedisBuffer, control: RunControl, now
         "source": source.origin,
         "state": state,
         "version": version,
-        "meta": {k.decode(): v.decode(errors="replace") for k, v in client.hgetall(control.keys.meta).items()},
+        "meta": {
+            k.decode(): v.decode(errors="replace")
+            for k, v in client.hgetall(control.keys.meta).items()
+            if k != CONFIG_FIELD.encode()  # the whole config: it is in the run directory
+        },
+        "fleet": [] if state == "ended" else control.members("generator"),
         "buffer": {
             **counters,
             "lost": lost_groups(stats),
@@ -273,7 +279,8 @@ def dead_letter_summary(buffer: RedisBuffer, total: int) -> dict:
 
 def processes(control: RunControl, role: str, version: int, now: float, ended: bool) -> dict[str, dict]:
     """Every process of ``role`` ever seen, with its last heartbeat; ``alive``: its heartbeat has not
-    expired (TTL 30 s) and the run has not ended. ``lag`` = learner version - version it serves."""
+    expired (learners 30 s, generators their lease, 10 s) and the run has not ended. ``lag`` = learner
+    version - version it serves."""
     live = control.heartbeats(role)
     seen = control.seen(role)
     out = {}
@@ -331,6 +338,7 @@ def render(st: dict, console) -> None:
     table.add_row("outcomes", _pairs(b, ("trained", "dropped_stale", "filtered", "dead")))
     table.add_row("in stream", _pairs(b, ("queued", "pending", "stream_length")) + "  " + lost)
     console.print(table)
+    console.print(f"fleet: [bold]{len(st['fleet'])}[/] generators live ({', '.join(st['fleet']) or '-'})")
     stale = "  ".join(f"{k} behind: [bold]{v}[/]" for k, v in st["staleness"].items()) or "-"
     console.print(f"staleness of trained groups: {stale}")
     _render_consumers(st["consumers"], console, Table)

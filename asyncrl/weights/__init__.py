@@ -11,8 +11,10 @@ Invariants (what generators rely on):
 - ``publish`` costs the caller one copy of the state dict; a slow, stalled or dead subscriber never
   blocks it, and at most a few versions are held in memory whatever the subscribers do.
 
-Transports, chosen by ``weights.type``: ZeroMQ (``zmq``: ``tcp://host:port`` or ``ipc://path``,
-see ``zmq_bus``), same-host shared memory (``shm``: ``shm://<dir>``, see ``shm_bus``) and
+Transports, chosen by ``weights.type``: ZeroMQ (``zmq``: ``tcp://host:port`` or ``ipc://path``;
+with ``weights.relay`` the subscribers pass versions on to one another, see ``relay_bus``, else
+the publisher sends to each, see ``zmq_bus``; both CURVE-authenticated over tcp with the run
+secret, see ``curve``), same-host shared memory (``shm``: ``shm://<dir>``, see ``shm_bus``) and
 GPU-to-GPU broadcast (``nccl``: a ``tcp://`` control address, see ``collective_bus``); the two
 socket transports share one control plane (``control_plane``). ``MemoryWeightBus``
 (``memory://name``) is the in-process stub. The wire format is documented in ``wire``.
@@ -26,10 +28,13 @@ import stat
 import tempfile
 from pathlib import Path
 
+from asyncrl.net import is_loopback
 from asyncrl.weights.base import WeightPublisher, WeightSubscriber
 from asyncrl.weights.collective_bus import CollectiveWeightPublisher
 from asyncrl.weights.collective_subscriber import CollectiveWeightSubscriber
 from asyncrl.weights.memory import MemoryWeightBus, MemoryWeightPublisher, MemoryWeightSubscriber
+from asyncrl.weights.relay_bus import RelayWeightPublisher
+from asyncrl.weights.relay_subscriber import RelayWeightSubscriber
 from asyncrl.weights.shm_bus import ShmWeightPublisher, ShmWeightSubscriber
 from asyncrl.weights.shm_reclaim import remove_stale_shm
 from asyncrl.weights.wire import (
@@ -49,12 +54,15 @@ __all__ = [
     "MemoryWeightBus",
     "MemoryWeightPublisher",
     "MemoryWeightSubscriber",
+    "RelayWeightPublisher",
+    "RelayWeightSubscriber",
     "ShmWeightPublisher",
     "ShmWeightSubscriber",
     "WeightPublisher",
     "WeightSubscriber",
     "WeightUpdate",
     "WeightsRejected",
+    "bus_address",
     "ZmqWeightPublisher",
     "ZmqWeightSubscriber",
     "decode",
@@ -94,7 +102,16 @@ def private_address(weights, directory: Path) -> str | None:
     return f"ipc://{path}"
 
 
-def setup_publisher(weights, address: str | None = None) -> WeightPublisher:
+def bus_address(weights, host: str, directory: Path) -> str | None:
+    """What the run's publisher binds: on loopback hosts the private endpoint of
+    :func:`private_address`; for a run that other hosts join (``run.host``), a tcp port on that
+    address (the socket transports authenticate both ends with the run's secret there)."""
+    if is_loopback(host) or weights.type == "shm":
+        return private_address(weights, directory)
+    return f"tcp://{host}:*"
+
+
+def setup_publisher(weights, address: str | None = None, secret: str | None = None) -> WeightPublisher:
     """The publisher for the ``weights`` section (``asyncrl.config``'s zmq, shm or nccl one).
 
     ``address`` is what to bind: ``tcp://127.0.0.1:*`` (default: loopback, random free port),
@@ -102,6 +119,8 @@ def setup_publisher(weights, address: str | None = None) -> WeightPublisher:
     for the in-process stub. With ``type="shm"`` (or an ``shm://`` address) it is
     ``shm://<tmpfs dir>`` (default ``shm://`` + ``weights.dir``), under which the publisher
     makes its own directory. ``publisher.address`` is the resolved endpoint to hand to subscribers.
+    ``secret`` (the run secret, 64 hex digits) makes a tcp endpoint admit only subscribers that hold
+    it, and encrypts it (zmq, and nccl's control plane: see ``curve``); shm and memory ignore it.
     """
     bucket_bytes = weights.bucket_mb << 20
     if address and address.startswith("memory://"):
@@ -112,7 +131,8 @@ def setup_publisher(weights, address: str | None = None) -> WeightPublisher:
         root = address.removeprefix("shm://") if address else weights.dir
         return ShmWeightPublisher(root, bucket_bytes=bucket_bytes)
     if weights.type == "zmq":
-        return ZmqWeightPublisher(address or DEFAULT_ADDRESS, bucket_bytes=bucket_bytes)
+        cls = RelayWeightPublisher if weights.relay else ZmqWeightPublisher
+        return cls(address or DEFAULT_ADDRESS, bucket_bytes=bucket_bytes, secret=secret)
     if weights.type == "nccl":
         return CollectiveWeightPublisher(
             address or DEFAULT_ADDRESS,
@@ -120,20 +140,27 @@ def setup_publisher(weights, address: str | None = None) -> WeightPublisher:
             device=_current_cuda_device(),
             bucket_bytes=bucket_bytes,
             timeout_s=weights.timeout_s,
+            secret=secret,
         )
     raise ValueError(f"unknown weights type {weights.type!r}")
 
 
-def setup_subscriber(weights, address: str, subscriber_id: str, have: int = -1) -> WeightSubscriber:
+def setup_subscriber(
+    weights, address: str, subscriber_id: str, have: int = -1, secret: str | None = None
+) -> WeightSubscriber:
     """A subscriber of the publisher at ``address``; ``have`` is the version already loaded
-    (e.g. 0 when the engine started from the initial weights), so only newer ones are delivered."""
+    (e.g. 0 when the engine started from the initial weights), so only newer ones are delivered.
+    ``secret`` must be the publisher's: over tcp, a subscriber without it (or with another) receives
+    nothing, and accepts nothing from a publisher without it."""
     if address.startswith("memory://"):
         return MemoryWeightBus.get(address).subscriber(subscriber_id, have)
     if address.startswith("shm://"):
         verify = weights.verify if weights.type == "shm" else "structure"
         return ShmWeightSubscriber(address, subscriber_id, have, verify=verify)
     if weights.type == "zmq":
-        return ZmqWeightSubscriber(address, subscriber_id, have)
+        if weights.relay:
+            return RelayWeightSubscriber(address, subscriber_id, have, secret=secret)
+        return ZmqWeightSubscriber(address, subscriber_id, have, secret=secret)
     if weights.type == "nccl":
         return CollectiveWeightSubscriber(
             address,
@@ -142,6 +169,7 @@ def setup_subscriber(weights, address: str, subscriber_id: str, have: int = -1) 
             backend="nccl",
             device=_current_cuda_device(),
             timeout_s=weights.timeout_s,
+            secret=secret,
         )
     raise ValueError(f"unknown weights type {weights.type!r}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -56,6 +57,26 @@ class WeightPublisher(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Mailbox:
+    """One slot, newest wins: a subscriber's background thread ``put``s each verified version, the
+    thread that polls ``take``s it (waiting up to ``timeout_ms``); a version not taken is replaced."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._slot: WeightUpdate | None = None
+
+    def put(self, update: WeightUpdate) -> None:
+        with self._cond:
+            self._slot = update
+            self._cond.notify_all()
+
+    def take(self, timeout_ms: int) -> WeightUpdate | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._slot is not None, max(timeout_ms, 0) / 1000)
+            update, self._slot = self._slot, None
+        return update
 
 
 class WeightSubscriber(abc.ABC):

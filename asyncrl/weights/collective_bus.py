@@ -18,6 +18,10 @@ Two planes:
                 "tensors": [<entries of wire.plan: name, dtype, shape, bucket, offset, nbytes>],
                 "buckets": [{"nbytes": int, "checksum": str}, ...]}
 
+  With the run secret the control plane is CURVE-authenticated (``curve``); the store and the
+  process group below are not (they carry no weights from outside the group, but a local process
+  could disturb a formation: keep the control address on a trusted network).
+
 - Data: one broadcast per bucket from rank 0 over the epoch's group (``collective_group``), as one
   flat uint8 tensor on the device (``collective_buckets``: padding, checksums, verification).
 
@@ -69,12 +73,13 @@ class CollectiveWeightPublisher(RouterPublisher[DeviceSnapshot]):
         device: str | torch.device = "cuda",
         bucket_bytes: int = 64 << 20,
         timeout_s: float = 30.0,
+        secret: str | None = None,
     ) -> None:
         host, _ = split_tcp(address.replace(":*", ":0"))
         self.backend, self.device = backend, resolve_device(device)
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self._gloo_host = gloo_host(host)
-        super().__init__(address, "weights-collective-pub")
+        super().__init__(address, "weights-collective-pub", secret=secret)
         # The store listens on every interface; the host is where its own client connects.
         store_host = "127.0.0.1" if host in ("*", "0.0.0.0") else host
         timeout = datetime.timedelta(seconds=timeout_s)

@@ -15,7 +15,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from asyncrl.weights.base import WeightSubscriber, log, log_rejection
+from asyncrl.weights.base import Mailbox, WeightSubscriber, log, log_rejection
 from asyncrl.weights.collective_buckets import build_update, check_manifest
 from asyncrl.weights.collective_bus import IDLE_MS
 from asyncrl.weights.collective_group import Group, arrived_key, gloo_host, resolve_device, split_tcp
@@ -33,21 +33,21 @@ class CollectiveWeightSubscriber(WeightSubscriber):
         device: str | torch.device = "cuda",
         timeout_s: float = 30.0,
         rehello_s: float = 5.0,
+        secret: str | None = None,
     ) -> None:
         self.address, self.subscriber_id = address, subscriber_id
         self.latest_version, self.rejected = have, 0
         self.backend, self.device = backend, resolve_device(device)
         self.timeout_s = timeout_s
         self._host, _ = split_tcp(address)
-        self._cond = threading.Condition()
-        self._ready: WeightUpdate | None = None  # newest verified version not yet taken by poll
+        self._mailbox = Mailbox()  # newest verified version not yet taken by poll
         self._newest = have  # newest version received (verified or not), thread side
         self._closed = False
         self._store = None
         self._store_port = 0
         self._seen_epoch = -1
         self._group: Group | None = None
-        self._client = ControlClient(address, subscriber_id, self._hello_fields, rehello_s)
+        self._client = ControlClient(address, subscriber_id, self._hello_fields, rehello_s, secret=secret)
         self._thread = threading.Thread(target=self._run, name="weights-collective-sub", daemon=True)
         self._thread.start()
 
@@ -55,9 +55,7 @@ class CollectiveWeightSubscriber(WeightSubscriber):
     def poll(self, timeout_ms: int = 0) -> WeightUpdate | None:
         if self._closed:
             raise RuntimeError("poll on a closed weight subscriber")
-        with self._cond:
-            self._cond.wait_for(lambda: self._ready is not None, max(timeout_ms, 0) / 1000)
-            update, self._ready = self._ready, None
+        update = self._mailbox.take(timeout_ms)
         if update is None or update.version <= self.latest_version:
             return None
         self.latest_version = update.version
@@ -156,9 +154,7 @@ class CollectiveWeightSubscriber(WeightSubscriber):
             self._reject(version, str(exc))
             return
         self._newest = update.version
-        with self._cond:
-            self._ready = update
-            self._cond.notify_all()
+        self._mailbox.put(update)
 
     def _reject(self, version: object, reason: str) -> None:
         self.rejected += 1

@@ -5,10 +5,17 @@ Subscriber -> publisher, after ZeroMQ's routing id::
 
     [b"hello", msgpack({"id": str, "have": int, ...})]   # on connect, and again after a silence
     [b"bye",   msgpack({"id": str})]                      # on close
+    [kind,     msgpack({...})]                            # a transport's own (``_other``)
 
 ``have`` is the newest version the subscriber holds; a transport may add fields (the collective
-bus adds its group epoch). What the publisher sends back is the transport's (``zmq_bus``: version
-frames; ``collective_bus``: epoch assignments and manifests).
+bus adds its group epoch, the relayed bus its relay endpoint) and kinds of its own (the relayed
+bus's ``attach``, handed to ``_other``). What the publisher sends back is the transport's
+(``zmq_bus``: version frames; ``relay_bus``: routes on control connections, bucket streams on
+data connections; ``collective_bus``: epoch assignments and manifests).
+
+With the run secret, a tcp ROUTER is a CURVE server and every DEALER a CURVE client of the keys
+derived from it (``curve``): a connection without the secret never completes its handshake, so
+none of its messages reach the thread and nothing is sent to it.
 
 Publisher concurrency: ``RouterPublisher`` owns the ROUTER from one background thread.
 ``publish`` snapshots the state dict in the caller's thread (the transport's ``_snapshot``), leaves
@@ -37,6 +44,7 @@ import msgpack
 import zmq
 
 from asyncrl.weights.base import WeightPublisher, check_publish, log
+from asyncrl.weights.curve import curve_keys, make_client, make_server
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +69,19 @@ def bus_context() -> zmq.Context:
     if _CONTEXT is None or _CONTEXT[0] != os.getpid():
         _CONTEXT = (os.getpid(), zmq.Context())
     return _CONTEXT[1]
+
+
+def send_nonblocking(sock: zmq.Socket, ident: bytes, frames: list, copy: bool = True) -> Sent:
+    """Queue ``frames`` to the peer ``ident`` of a ROUTER (with ROUTER_MANDATORY) without blocking."""
+    try:
+        sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=copy)
+    except zmq.Again:
+        return "full"
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EHOSTUNREACH:
+            raise
+        return "gone"
+    return "sent"
 
 
 class Wakeup:
@@ -101,8 +122,9 @@ class Peer:
 class RouterPublisher(WeightPublisher, Generic[Snap]):
     """The publisher's control plane; a transport subclasses it and fills in the hooks."""
 
-    def __init__(self, address: str, thread_name: str, sndhwm: int | None = None) -> None:
+    def __init__(self, address: str, thread_name: str, sndhwm: int | None = None, secret: str | None = None) -> None:
         sock = bus_context().socket(zmq.ROUTER)
+        make_server(sock, curve_keys(secret, address))
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if sndhwm is not None:
             sock.setsockopt(zmq.SNDHWM, sndhwm)
@@ -140,6 +162,10 @@ class RouterPublisher(WeightPublisher, Generic[Snap]):
     def _left(self, ident: bytes, peer: Peer) -> None:  # noqa: B027 - optional hook
         """Thread: ``peer`` said bye and is forgotten."""
 
+    def _other(self, ident: bytes, kind: bytes, body: dict) -> None:
+        """Thread: a message other than hello, or a bye from a connection that never said hello."""
+        log.debug("weights: ignoring control message %r", kind[:16])
+
     @abc.abstractmethod
     def _deliver(self) -> None:
         """Thread, after every wake-up (message, version, or timeout): send what is due."""
@@ -176,16 +202,7 @@ class RouterPublisher(WeightPublisher, Generic[Snap]):
 
     # --- thread ------------------------------------------------------------------------------------
     def _send(self, ident: bytes, frames: list, copy: bool = True) -> Sent:
-        """Queue ``frames`` to one peer without blocking."""
-        try:
-            self._sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=copy)
-        except zmq.Again:
-            return "full"
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            return "gone"
-        return "sent"
+        return send_nonblocking(self._sock, ident, frames, copy)
 
     def _run(self) -> None:
         self._started()
@@ -215,7 +232,7 @@ class RouterPublisher(WeightPublisher, Generic[Snap]):
                 msg = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(msg) != 3 or msg[1] not in (b"hello", b"bye"):
+            if len(msg) != 3:
                 log.debug("weights: ignoring control message of %d frames", len(msg))
                 continue
             ident, kind = msg[0], msg[1]
@@ -223,10 +240,12 @@ class RouterPublisher(WeightPublisher, Generic[Snap]):
                 body = msgpack.unpackb(msg[2])
                 name, have = str(body.get("id", "?")), int(body.get("have", -1))
             except Exception:  # noqa: BLE001
-                log.debug("weights: ignoring malformed %s", kind)
+                log.debug("weights: ignoring malformed %s", kind[:16])
                 continue
             peer = self._peers.get(ident)
-            if kind == b"bye":
+            if kind not in (b"hello", b"bye") or (kind == b"bye" and peer is None):
+                self._other(ident, kind, body)
+            elif kind == b"bye":
                 if peer is not None:
                     del self._peers[ident]
                     log.info("weights: subscriber %s left", name)
@@ -250,10 +269,12 @@ class ControlClient:
         fields: Callable[[], dict],
         rehello_s: float,
         rcvhwm: int | None = None,
+        secret: str | None = None,
     ) -> None:
         self.subscriber_id, self.rehello_s = subscriber_id, rehello_s
         self._fields = fields
         self._sock = bus_context().socket(zmq.DEALER)
+        make_client(self._sock, curve_keys(secret, address))
         if rcvhwm is not None:
             self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
         self._sock.setsockopt(zmq.SNDHWM, 16)

@@ -112,7 +112,7 @@ def _hash_pool() -> ThreadPoolExecutor:
 
 def tensor_digest(data) -> bytes:
     """xxh3-128 of one tensor's raw bytes (a fast non-cryptographic hash). It guards against
-    corruption and truncation, not against an adversary (the bus is not authenticated)."""
+    corruption and truncation, not against an adversary: over tcp that is CURVE's job (``curve``)."""
     return xxhash.xxh3_128_digest(data)
 
 

@@ -1,5 +1,8 @@
-"""ZeroMQ weight bus: the control plane of ``control_plane`` (tcp:// or ipc://), with the version
-frames of ``asyncrl.weights.wire`` as data, publisher -> subscriber, on the same connection.
+"""ZeroMQ weight bus, direct fan-out (``weights.relay = false``): the control plane of
+``control_plane`` (tcp:// or ipc://), with the version frames of ``asyncrl.weights.wire`` as data,
+publisher -> subscriber, on the same connection. The publisher writes every version once per
+subscriber; ``relay_bus`` (the default) has the subscribers relay it instead. Over tcp with the
+run secret both ends are CURVE-authenticated and encrypted (``curve``).
 
 The publisher thread sends every new version to every known subscriber with NOBLOCK under a small
 SNDHWM and ROUTER_MANDATORY: a full pipe (slow or stalled subscriber) drops that send and retries
@@ -39,8 +42,10 @@ _IDLE_MS = 500
 
 
 class ZmqWeightPublisher(RouterPublisher[Snapshot]):
-    def __init__(self, address: str = "tcp://127.0.0.1:*", bucket_bytes: int = 64 << 20) -> None:
-        super().__init__(address, "weights-publisher", sndhwm=_HWM)
+    def __init__(
+        self, address: str = "tcp://127.0.0.1:*", bucket_bytes: int = 64 << 20, secret: str | None = None
+    ) -> None:
+        super().__init__(address, "weights-publisher", sndhwm=_HWM, secret=secret)
         self.bucket_bytes = bucket_bytes
         self._pool = BucketPool()  # buckets of versions ZeroMQ has finished sending, for reuse
         # Thread state: the newest version, its frames, and its buckets' release for the pool.
@@ -96,11 +101,13 @@ class ZmqWeightPublisher(RouterPublisher[Snapshot]):
 
 
 class ZmqWeightSubscriber(VerifyingSubscriber):
-    def __init__(self, address: str, subscriber_id: str, have: int = -1, rehello_s: float = 5.0) -> None:
+    def __init__(
+        self, address: str, subscriber_id: str, have: int = -1, rehello_s: float = 5.0, secret: str | None = None
+    ) -> None:
         super().__init__(subscriber_id, have)
         self.address = address
         self._client = ControlClient(
-            address, subscriber_id, lambda: {"have": self.latest_version}, rehello_s, rcvhwm=_HWM
+            address, subscriber_id, lambda: {"have": self.latest_version}, rehello_s, rcvhwm=_HWM, secret=secret
         )
         self._closed = False
         self._client.hello()

@@ -1,0 +1,177 @@
+"""Relayed ZeroMQ weight bus (``weights.relay``): subscribers pass each version's buckets on to one
+another along a chain, so the publisher sends a version about once whatever the fleet size.
+
+Protocol. Every subscriber binds a relay endpoint of its own (``relay_fanout.relay_endpoint``: tcp
+on the local address that reaches the publisher, or ipc next to the publisher's socket) and holds
+two connections out:
+
+- control, to the publisher (the control plane of ``control_plane``)::
+
+      subscriber -> publisher  [b"hello", {"id": str, "have": int, "relay": endpoint}]  # every HEARTBEAT_S
+                               [b"bye",   {"id": str}]
+      publisher -> subscriber  [b"route", {"upstream": endpoint}]   # reply to every hello; "" = the publisher
+
+- data, to its upstream (the publisher itself or another subscriber's relay endpoint)::
+
+      downstream -> upstream   [b"attach", {"id": str, "have": int}]   # on connect
+                               [b"bye",    {"id": str}]
+      upstream -> downstream   the stream of ``relay_fanout``: a manifest, then one message per bucket
+
+Topology: the publisher orders the live subscribers by when they (re)joined and chains them
+(``chain_routes``): the first takes its data from the publisher, each next one from the one before.
+A subscriber silent for ``DEAD_S`` (dead, or stopped: its heartbeat comes from a thread that a
+SIGSTOP stops too) leaves the chain, and the one behind it is routed past it at its next hello; a
+returning one says hello again and joins at the end. So a relay is bypassed within about
+``DEAD_S + HEARTBEAT_S``; a joiner is served at once by its upstream, which sends the newest
+version it has, complete or still arriving.
+
+Verification: every hop checks each bucket (size, then its checksum over its tensors' digests)
+before it forwards or keeps it, and the whole ``state_dict_checksum`` once every bucket is in; a
+subscriber's ``poll`` only ever sees complete versions that passed both. A bad bucket fails its
+version at that hop (counted in ``rejected``, never forwarded); the hops below never complete it
+and keep their previous version. A relay forwards each bucket as soon as it verified (pipelined):
+with b buckets and n chained subscribers the last one has the version after about b + n - 1
+bucket times, against b * n for direct fan-out (hence ``RELAY_BUCKET_BYTES``). The publisher
+writes each version once; every subscriber receives it once and writes it once more.
+
+Authentication: with a secret, the publisher's ROUTER and every relay endpoint over tcp are CURVE
+servers with the run's server keys and every connection a CURVE client (``curve``): a subscriber
+can only be fed by a holder of the secret, relay or publisher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+import msgpack
+import zmq
+
+from asyncrl.weights.base import log
+from asyncrl.weights.control_plane import Peer, RouterPublisher
+from asyncrl.weights.relay_fanout import Fanout, Stream
+from asyncrl.weights.wire import BucketPool, Snapshot, seal, snapshot
+
+if TYPE_CHECKING:
+    import torch
+
+# Messages queued per pipe: a few buckets in flight keep a chain's pipes busy between pumps.
+HWM = 4
+# A subscriber says hello this often; the publisher drops one silent for DEAD_S from the chain. Six
+# heartbeats: a subscriber starved of CPU for a moment (2 cores, 8 processes) is not dropped.
+HEARTBEAT_S = 0.5
+DEAD_S = 3.0
+# The largest bucket of a relayed stream (a smaller weights.bucket_mb is kept). A chain is a
+# pipeline as deep as a version has buckets: the last of n subscribers has it after about
+# (b + n - 1) bucket times against b for one, so a 200 MB model in 64 MiB buckets (b = 4) would cost
+# 2.75 transfers over 8 hops, and in 8 MiB ones (b = 27) 1.26. Each bucket is one message: below
+# about 1 MiB the per-message costs would start to show.
+RELAY_BUCKET_BYTES = 8 << 20
+# Publisher thread tick: a pipe that was full is retried this often, silent peers noticed this late.
+RETRY_MS = 10
+IDLE_MS = 200
+
+
+@dataclasses.dataclass
+class Member:
+    """A subscriber in the chain, as the publisher knows it."""
+
+    name: str
+    relay: str  # its endpoint, "" if it does not relay
+    joined: float  # monotonic time it (re)joined: the chain order
+    seen: float  # monotonic time of its last hello
+
+
+def chain_routes(members: list[Member]) -> list[str]:
+    """Each member's upstream, in ``members``' order: the first is fed by the publisher (""), every
+    next one by the nearest relay before it. The invariant: every member has exactly one upstream,
+    which is the publisher or a live member earlier in the chain, so there is no cycle."""
+    routes, last = [], ""
+    for m in members:
+        routes.append(last)
+        if m.relay:
+            last = m.relay
+    return routes
+
+
+class RelayWeightPublisher(RouterPublisher[Snapshot]):
+    def __init__(
+        self, address: str = "tcp://127.0.0.1:*", bucket_bytes: int = 64 << 20, secret: str | None = None
+    ) -> None:
+        super().__init__(address, "weights-relay-publisher", sndhwm=HWM, secret=secret)
+        self.bucket_bytes = min(bucket_bytes, RELAY_BUCKET_BYTES)
+        self._pool = BucketPool()
+        self._fanout = Fanout(self._send_zero_copy)
+        self._members: dict[bytes, Member] = {}  # thread state: control connections in the chain
+        self._released = None  # buckets of the newest version, for the pool once replaced
+        self._stats = {"versions": 0, "dropped": 0}
+        self._start()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **self._stats,
+            "subscribers": len(self._members),
+            "sends": self._fanout.sends,
+            "buckets_reused": self._pool.reused,
+        }
+
+    def _routes(self) -> dict[bytes, str]:
+        """Thread: each member's upstream ("" = the publisher)."""
+        order = sorted(self._members.items(), key=lambda kv: kv[1].joined)
+        return dict(zip((i for i, _ in order), chain_routes([m for _, m in order]), strict=True))
+
+    def _send_zero_copy(self, ident: bytes, frames: list):
+        return self._send(ident, frames, copy=False)
+
+    # --- control-plane hooks -------------------------------------------------------------------
+    def _snapshot(self, version: int, state_dict: dict[str, torch.Tensor]) -> Snapshot:
+        return snapshot(version, state_dict, self.bucket_bytes, self._pool)
+
+    def _discard(self, snap: Snapshot) -> None:
+        self._pool.give(snap.buckets)
+
+    def _take(self, snap: Snapshot) -> None:
+        frames = seal(snap)
+        buckets = [zmq.Frame(f, copy=False, track=True) for f in frames[2:]]
+        manifest = msgpack.unpackb(frames[1])
+        head = [zmq.Frame(b"manifest"), zmq.Frame(frames[0]), zmq.Frame(frames[1])]
+        stream = Stream(snap.version, manifest, head, buckets, [None] * len(buckets))
+        if self._released is not None:
+            self._pool.give(*self._released)
+        trackers = [f.tracker for f in buckets]
+        self._released = (snap.buckets, lambda: all(t.done for t in trackers))
+        self._fanout.offer(stream)
+        self._stats["versions"] += 1
+
+    def _hello(self, ident: bytes, peer: Peer, body: dict, joined: bool) -> None:
+        now = time.monotonic()
+        member = self._members.get(ident)
+        if member is None:
+            member = self._members[ident] = Member(peer.name, str(body.get("relay") or ""), now, now)
+        member.seen = now
+        self._send(ident, [b"route", msgpack.packb({"upstream": self._routes()[ident]})])
+
+    def _left(self, ident: bytes, peer: Peer) -> None:
+        self._members.pop(ident, None)
+
+    def _other(self, ident: bytes, kind: bytes, body: dict) -> None:
+        if kind == b"attach":
+            self._fanout.attach(ident, str(body.get("id", "?")), int(body.get("have", -1)))
+        elif kind == b"bye":
+            self._fanout.detach(ident)
+        else:
+            super()._other(ident, kind, body)
+
+    def _wait_ms(self) -> int:
+        return RETRY_MS if self._fanout.lagging() else IDLE_MS
+
+    def _deliver(self) -> None:
+        now = time.monotonic()
+        for ident, m in list(self._members.items()):
+            if now - m.seen > DEAD_S:
+                log.info("weights: subscriber %s silent for %.1fs, routed around", m.name, now - m.seen)
+                del self._members[ident]
+                self._peers.pop(ident, None)  # its next hello re-joins it, at the end of the chain
+                self._stats["dropped"] += 1
+        self._fanout.pump()

@@ -1,0 +1,204 @@
+"""The pieces of the relayed ZeroMQ bus (``relay_bus``) that the publisher and every relay share:
+a version as a stream of bucket messages, the per-bucket check, and the fan-out to downstreams.
+
+A version on a data connection (upstream ROUTER -> downstream DEALER) is ``m + 1`` messages::
+
+    [b"manifest", WIRE_HEADER, manifest_msgpack]        # wire's manifest, unchanged
+    [b"bucket", msgpack([version, index]), bucket]       # index = 0 .. m-1, in order
+
+Concurrency: a ``Fanout`` belongs to the one thread that owns its ROUTER; ``pump`` never blocks (a
+full pipe is retried on the next pump), so a stalled downstream delays no other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+import xxhash
+import zmq
+
+from asyncrl.weights.base import log
+from asyncrl.weights.wire import (
+    WIRE_HEADER,
+    WeightsRejected,
+    _buf,
+    _tensor_digests,
+    check_entries,
+    combine_digests,
+    peek_version,
+    tensor_view,
+)
+
+Sent = str  # control_plane.Sent: "sent", "full" or "gone"
+
+
+@dataclasses.dataclass(eq=False)
+class Stream:
+    """One version as its buckets arrive; every bucket present has verified."""
+
+    version: int
+    manifest: dict
+    head: list  # frames of the manifest message
+    buckets: list  # zmq.Frame per bucket, None until it arrives and verifies
+    digests: list  # per bucket: its tensors' digests (for the whole checksum)
+    failed: bool = False  # rejected or abandoned incomplete: nobody may send more of it
+
+    @property
+    def complete(self) -> bool:
+        return all(b is not None for b in self.buckets)
+
+
+def manifest_message(manifest_bytes: bytes) -> list:
+    return [b"manifest", WIRE_HEADER, manifest_bytes]
+
+
+def bucket_message(version: int, index: int, frame) -> list:
+    return [b"bucket", msgpack.packb([version, index]), frame]
+
+
+def open_stream(frames: list) -> Stream:
+    """A stream from a received manifest message; raises ``WeightsRejected`` (checks what ``decode``
+    checks before the bytes: header, schema, tensor extents against the announced bucket sizes)."""
+    if len(frames) != 3:
+        raise WeightsRejected(f"manifest message has {len(frames)} frames")
+    version, manifest = peek_version(frames[1:])
+    metas = manifest["buckets"]
+    if not all(isinstance(b, dict) and isinstance(b.get("nbytes"), int) for b in metas):
+        raise WeightsRejected("manifest buckets are not maps with nbytes")
+    check_entries(manifest["tensors"], [b["nbytes"] for b in metas])
+    manifest["tensors"] = sorted(manifest["tensors"], key=lambda e: e["name"])
+    head = [zmq.Frame(b"manifest"), zmq.Frame(WIRE_HEADER), zmq.Frame(bytes(_buf(frames[2])))]
+    return Stream(version, manifest, head, [None] * len(metas), [None] * len(metas))
+
+
+def verify_bucket(stream: Stream, index: int, frame) -> None:
+    """Check one arrived bucket against the manifest and keep it; raises ``WeightsRejected``."""
+    if not 0 <= index < len(stream.buckets):
+        raise WeightsRejected(f"bucket index {index} out of range")
+    buf = _buf(frame)
+    meta = stream.manifest["buckets"][index]
+    if buf.nbytes != meta["nbytes"]:
+        raise WeightsRejected(f"bucket {index}: {buf.nbytes} bytes, manifest says {meta['nbytes']}")
+    entries = [e for e in stream.manifest["tensors"] if e["nbytes"] and e["bucket"] == index]
+    digests = _tensor_digests([tensor_view(e, {index: buf}) for e in entries])
+    h = xxhash.xxh3_128()
+    for d in digests:
+        h.update(d)
+    if h.hexdigest() != meta.get("checksum"):
+        raise WeightsRejected(f"bucket {index}: checksum mismatch")
+    stream.buckets[index] = frame
+    stream.digests[index] = dict(zip((e["name"] for e in entries), digests, strict=True))
+
+
+def verify_whole(stream: Stream) -> None:
+    """The state checksum of a complete stream, from the bucket checks' digests."""
+    found: dict[str, bytes] = {}
+    for d in stream.digests:
+        found.update(d)
+    empty = xxhash.xxh3_128_digest(b"")
+    items = ((e["name"], e["dtype"], e["shape"], found.get(e["name"], empty)) for e in stream.manifest["tensors"])
+    if combine_digests(items) != stream.manifest["checksum"]:
+        raise WeightsRejected("state dict checksum mismatch")
+
+
+@dataclasses.dataclass(eq=False)
+class Cursor:
+    """What one downstream has been sent."""
+
+    name: str
+    have: int  # newest version it holds or was sent in full
+    stream: Stream | None = None  # the version being sent to it
+    next: int = -1  # next bucket to send; -1: the manifest
+
+
+class Fanout:
+    """Sends the newest version to every downstream, each bucket as soon as it is here.
+
+    A downstream gets the version it was started on to the end (so each send completes however
+    fast versions come), then the newest one, unless that stream failed or was abandoned upstream.
+    """
+
+    def __init__(self, send: Callable[[bytes, list], Sent]) -> None:
+        self._send = send
+        self.cursors: dict[bytes, Cursor] = {}
+        self.current: Stream | None = None  # newest version, arriving or complete
+        self.complete: Stream | None = None  # newest complete version
+        self.sends = 0
+
+    def attach(self, ident: bytes, name: str, have: int) -> None:
+        self.cursors[ident] = Cursor(name, have)
+
+    def detach(self, ident: bytes) -> None:
+        self.cursors.pop(ident, None)
+
+    def offer(self, stream: Stream) -> None:
+        """``stream`` is the newest version now (its buckets may still be arriving)."""
+        if self.current is not None and not self.current.complete:
+            self.current.failed = True  # abandoned: its downstreams restart on the new one
+        self.current = stream
+        if stream.complete:
+            self.complete = stream
+
+    def fail(self, stream: Stream) -> None:
+        stream.failed = True
+        if self.current is stream:
+            self.current = self.complete
+
+    def lagging(self) -> bool:
+        return self.current is not None and any(
+            c.have < self.current.version or c.stream is not None for c in self.cursors.values()
+        )
+
+    def pump(self) -> None:
+        for ident, cursor in list(self.cursors.items()):
+            if self._pump_one(ident, cursor) == "gone":
+                log.debug("weights: downstream %s unreachable, forgotten", cursor.name)
+                del self.cursors[ident]
+
+    def _pump_one(self, ident: bytes, c: Cursor) -> Sent:
+        if c.stream is not None and c.stream.failed:
+            c.stream = None
+        if c.stream is None:
+            newest = self.current
+            if newest is None or newest.version <= c.have:
+                return "sent"
+            c.stream, c.next = newest, -1
+        s = c.stream
+        while c.next < len(s.buckets):
+            if c.next == -1:
+                frames = s.head
+            elif s.buckets[c.next] is None:
+                return "sent"  # not here yet: the next pump after it arrives goes on
+            else:
+                frames = bucket_message(s.version, c.next, s.buckets[c.next])
+            sent = self._send(ident, frames)
+            if sent != "sent":
+                return sent
+            c.next += 1
+        c.have, c.stream = s.version, None
+        self.sends += 1
+        return "sent"
+
+
+def relay_endpoint(upstream: str) -> str:
+    """What a relay binds: tcp on the local address that reaches ``upstream`` (any free port), or an
+    ipc socket in the same directory as an ipc upstream."""
+    if upstream.startswith("ipc://"):
+        directory = Path(upstream.removeprefix("ipc://")).parent
+        for _ in range(100):  # binding an existing ipc path would steal it from its owner
+            path = directory / f"r{uuid.uuid4().hex[:7]}.sock"  # no longer than "weights.sock"+1
+            if not path.exists():
+                return f"ipc://{path}"
+        raise FileExistsError(f"no free relay socket name in {directory}")
+    host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, int(port)))  # UDP: no packet is sent; the kernel picks the route's source address
+        local = s.getsockname()[0]
+    return f"tcp://[{local}]:*" if family == socket.AF_INET6 else f"tcp://{local}:*"

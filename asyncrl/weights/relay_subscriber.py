@@ -1,0 +1,252 @@
+"""The relayed bus's subscriber (protocol in ``relay_bus``): receives, verifies and forwards in a
+background thread, so relaying never waits for the generator to call ``poll``.
+
+Concurrency: the thread owns all three sockets (control to the publisher, data from the upstream,
+the relay ROUTER its downstreams attach to) and the ``Fanout``; it leaves the newest complete,
+verified version in a one-slot mailbox that ``poll`` takes under a lock it holds only to swap the
+slot, so ``poll`` never waits on the network. Memory: the version the caller holds, the one in the
+slot (also kept for downstreams that join), and the one arriving.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import torch
+import zmq
+
+from asyncrl.weights.base import Mailbox, WeightSubscriber, log, log_rejection
+from asyncrl.weights.control_plane import bus_context, send_nonblocking
+from asyncrl.weights.curve import curve_keys, make_client, make_server
+from asyncrl.weights.relay_bus import HEARTBEAT_S, HWM, IDLE_MS, RETRY_MS
+from asyncrl.weights.relay_fanout import (
+    Fanout,
+    Stream,
+    open_stream,
+    relay_endpoint,
+    verify_bucket,
+    verify_whole,
+)
+from asyncrl.weights.wire import WeightsRejected, WeightUpdate, _buf, _flat_tensor, tensor_views
+
+
+class RelayWeightSubscriber(WeightSubscriber):
+    def __init__(self, address: str, subscriber_id: str, have: int = -1, secret: str | None = None) -> None:
+        self.address, self.subscriber_id = address, subscriber_id
+        self.latest_version, self.rejected = have, 0
+        self._secret = secret
+        self._mailbox = Mailbox()  # newest complete version not yet taken by poll
+        self._closed = False
+        ctx = bus_context()
+        # Thread state from here on.
+        self._have = have  # newest complete version received
+        self._incoming: Stream | None = None
+        self._control = self._dealer(address)
+        self._data: zmq.Socket | None = None
+        self.upstream: str | None = None  # endpoint the data comes from ("" = the publisher)
+        self._router = ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.SNDHWM, HWM)
+        self._router.setsockopt(zmq.LINGER, -1)  # see control_plane.bus_context
+        bind = relay_endpoint(address)
+        make_server(self._router, curve_keys(secret, bind))
+        self._router.bind(bind)
+        self.relay_address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._fanout = Fanout(self._forward)
+        self._last_hello = 0.0
+        self._thread = threading.Thread(target=self._run, name="weights-relay-sub", daemon=True)
+        self._thread.start()
+
+    # --- caller side ---------------------------------------------------------------------------
+    def poll(self, timeout_ms: int = 0) -> WeightUpdate | None:
+        if self._closed:
+            raise RuntimeError("poll on a closed weight subscriber")
+        update = self._mailbox.take(timeout_ms)
+        if update is None or update.version <= self.latest_version:
+            return None
+        self.latest_version = update.version
+        return update
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._thread.join()  # bounded: every wait of the thread is at most IDLE_MS
+
+    # --- background thread ---------------------------------------------------------------------
+    def _dealer(self, endpoint: str) -> zmq.Socket:
+        sock = bus_context().socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVHWM, HWM)
+        sock.setsockopt(zmq.SNDHWM, 16)
+        sock.setsockopt(zmq.LINGER, 200)  # lets "bye" leave after close
+        make_client(sock, curve_keys(self._secret, endpoint))
+        sock.connect(endpoint)
+        return sock
+
+    def _say(self, sock: zmq.Socket, kind: bytes, body: dict) -> None:
+        try:
+            sock.send_multipart([kind, msgpack.packb({"id": self.subscriber_id, **body})], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # unreachable for now; hello is repeated every HEARTBEAT_S
+
+    def _forward(self, ident: bytes, frames: list):
+        return send_nonblocking(self._router, ident, frames, copy=False)
+
+    def _run(self) -> None:
+        torch.set_num_threads(1)
+        try:
+            while not self._closed:
+                now = time.monotonic()
+                if now - self._last_hello >= HEARTBEAT_S:
+                    self._say(self._control, b"hello", {"have": self._have, "relay": self.relay_address})
+                    self._last_hello = now
+                poller = zmq.Poller()
+                for sock in (self._control, self._data, self._router):
+                    if sock is not None:
+                        poller.register(sock, zmq.POLLIN)
+                wait = RETRY_MS if self._fanout.lagging() else min(IDLE_MS, int(HEARTBEAT_S * 1000))
+                events = dict(poller.poll(wait))
+                try:
+                    if self._control in events:
+                        self._read_routes()
+                    if self._data is not None and self._data in events:
+                        self._read_data()
+                    if self._router in events:
+                        self._read_downstream()
+                    self._fanout.pump()
+                except Exception:  # noqa: BLE001 - the bus must outlive one bad message
+                    log.exception("weights: relay subscriber %s thread error", self.subscriber_id)
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._say(self._control, b"bye", {})
+        if self._data is not None:
+            self._say(self._data, b"bye", {})
+            self._data.close()
+        self._control.close()
+        self._router.close()
+        if self.relay_address.startswith("ipc://"):
+            Path(self.relay_address.removeprefix("ipc://")).unlink(missing_ok=True)
+
+    def _read_routes(self) -> None:
+        upstream = None
+        for msg in _drain(self._control):
+            if len(msg) == 2 and msg[0].bytes == b"route":
+                try:
+                    upstream = str(msgpack.unpackb(msg[1].bytes)["upstream"])
+                except Exception:  # noqa: BLE001
+                    log.debug("weights: ignoring malformed route")
+        if upstream is not None and upstream != self.upstream:
+            self._attach(upstream)
+
+    def _attach(self, upstream: str) -> None:
+        """Take the data from ``upstream`` from now on ("" = the publisher)."""
+        if self._data is not None:
+            self._say(self._data, b"bye", {})
+            self._data.close()
+        log.info("weights: %s takes versions from %s", self.subscriber_id, upstream or "the publisher")
+        self.upstream = upstream
+        self._data = self._dealer(upstream or self.address)
+        self._say(self._data, b"attach", {"have": self._have})
+        # A version half-received from the old upstream never completes: the new one starts afresh.
+        if self._incoming is not None:
+            self._fanout.fail(self._incoming)
+            self._incoming = None
+
+    def _read_downstream(self) -> None:
+        for msg in _drain(self._router):
+            if len(msg) != 3:
+                continue
+            ident, kind = msg[0].bytes, msg[1].bytes
+            try:
+                body = msgpack.unpackb(msg[2].bytes)
+            except Exception:  # noqa: BLE001
+                continue
+            if kind == b"attach":
+                log.debug("weights: %s relays to %s", self.subscriber_id, body.get("id"))
+                self._fanout.attach(ident, str(body.get("id", "?")), int(body.get("have", -1)))
+            elif kind == b"bye":
+                self._fanout.detach(ident)
+
+    def _read_data(self) -> None:
+        for msg in _drain(self._data):
+            kind = msg[0].bytes if msg else b""
+            if kind == b"manifest":
+                self._on_manifest(msg)
+            elif kind == b"bucket" and len(msg) == 3:
+                self._on_bucket(msg)
+            self._fanout.pump()  # forward each bucket at once, not after the whole batch
+
+    def _reject(self, version: object, reason: str) -> None:
+        self.rejected += 1
+        log_rejection(self.subscriber_id, version, reason, self._have)
+
+    def _on_manifest(self, msg: list) -> None:
+        try:
+            stream = open_stream(msg)
+        except WeightsRejected as exc:
+            self._reject("?", str(exc))
+            return
+        if self._incoming is not None:
+            self._fanout.fail(self._incoming)  # superseded before it completed
+            self._incoming = None
+        if stream.version <= self._have:
+            return  # already here (a new upstream resends what it has)
+        self._incoming = stream
+        self._fanout.offer(stream)
+        if not stream.buckets:
+            self._complete(stream)
+
+    def _on_bucket(self, msg: list) -> None:
+        stream = self._incoming
+        try:
+            version, index = msgpack.unpackb(msg[1].bytes)
+        except Exception:  # noqa: BLE001
+            return
+        if stream is None or version != stream.version or not isinstance(index, int):
+            return  # a version this subscriber is not receiving (superseded, or already rejected)
+        try:
+            verify_bucket(stream, index, msg[2])
+        except WeightsRejected as exc:
+            self._fail(stream, str(exc))
+            return
+        if stream.complete:
+            self._complete(stream)
+
+    def _fail(self, stream: Stream, reason: str) -> None:
+        self._reject(stream.version, reason)
+        self._fanout.fail(stream)
+        self._incoming = None
+
+    def _complete(self, stream: Stream) -> None:
+        try:
+            verify_whole(stream)
+        except WeightsRejected as exc:
+            self._fail(stream, str(exc))
+            return
+        self._incoming = None
+        self._have = stream.version
+        self._fanout.complete = stream
+        entries = stream.manifest["tensors"]
+        update = WeightUpdate(
+            version=stream.version,
+            tensors=tensor_views(entries, [_flat_tensor(_buf(f)) for f in stream.buckets]),
+            checksum=stream.manifest["checksum"],
+            nbytes=sum(e["nbytes"] for e in entries),
+            received_at=time.time(),
+            published_at=float(stream.manifest.get("created_at", 0.0) or 0.0),
+        )
+        self._mailbox.put(update)
+
+
+def _drain(sock: zmq.Socket) -> list[list]:
+    out = []
+    while True:
+        try:
+            out.append(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+        except zmq.Again:
+            return out
