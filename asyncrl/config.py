@@ -259,7 +259,7 @@ class _WeightsBase(_Section):
 class ZmqWeightsConfig(_WeightsBase):
     type: Literal["zmq"] = Field("zmq", description="ZeroMQ from learner rank 0 to generators (tcp/ipc, any host).")
     relay: bool = Field(
-        True,
+        False,
         description="Generators relay each version's buckets to one another (a pipelined chain), so the "
         "publisher sends it about once whatever the fleet size; false: the publisher sends it to every one.",
     )

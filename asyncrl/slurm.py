@@ -2,7 +2,8 @@
 
 The rendered sbatch script has one component per role, each started with ``srun --het-group=K``:
 0, the head (``asyncrl launch --generators 0``: the run's redis-server and its learner ranks) on the
-first learner node; 1, generators (``asyncrl generator``) that join it; 2 (optional), a reward
+first learner node, and ``run.learners`` more ranks (``asyncrl learner``) on each further one;
+1, generators (``asyncrl generator``) that join it; 2 (optional), a reward
 server (``asyncrl reward-serve``). ``--join JOBID``: a job of generators joining job JOBID's run.
 
 Lifetime, decided by the script and never by ``pkill``:
@@ -28,6 +29,7 @@ import sys
 from pathlib import Path
 
 from asyncrl.errors import UserError
+from asyncrl.slurm_scripts import COMMON, JOIN, LEARNERS, MAIN, REWARD_BLOCK
 
 EXIT_WAIT_S = 60  # generators leave within seconds of the run's stop; a minute covers a loaded node
 START_TIMEOUT_S = 1800  # the head's first start may build the demo model or load a large one from disk
@@ -76,6 +78,7 @@ class JobSpec:
     start_timeout_s: int = START_TIMEOUT_S
     time: str | None = None
     join: str | None = None  # a job id: this job's generators join its run
+    learners_per_node: int = 1  # run.learners of the config: the ranks on each learner node
 
     @property
     def slurm_dir(self) -> Path:
@@ -102,190 +105,6 @@ def parse_job_records(text: str) -> list[dict[str, str]]:
     Values never hold spaces in the fields read here (JobState, NodeList, Comment, HetJobOffset)."""
     records = [dict(tok.split("=", 1) for tok in line.split() if "=" in tok) for line in text.splitlines()]
     return [r for r in records if r]
-
-
-_COMMON = r"""
-set -uo pipefail
-umask 077
-cd @@workdir || exit 1
-ASYNCRL=(@@python -m asyncrl.cli)
-RUN_DIR=@@run_dir
-SLURM_DIR=@@slurm_dir
-PORT=@@port
-GEN_PER_NODE=@@per_node
-GEN_RESTARTS=@@restarts
-EXIT_WAIT_S=@@exit_wait
-START_TIMEOUT_S=@@start_timeout
-RESTART_DELAY_S=2  # a crash-looping generator waits this long between starts
-STATE=$(mktemp -d)  # flags between this script and its background loops (on the batch host)
-trap 'rm -rf "$STATE"' EXIT
-GEN_PIDS=()
-
-log() { printf '[asyncrl-slurm %(%T)T] %s\n' -1 "$*"; }
-fail() { log "error: $*" >&2; }
-random_hex() { od -An -N32 -tx1 /dev/urandom | tr -d ' \n'; }  # 64 hex digits, never an argument
-
-node_addr() {  # NODE: the IPv4 address other nodes reach it at (NodeAddr, resolved)
-  local addr
-  addr=$(scontrol show node "$1" 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p' | head -n1)
-  [[ -n $addr ]] || addr=$1
-  [[ $addr =~ ^[0-9.]+$ ]] || addr=$(getent ahostsv4 "$addr" | awk 'NR == 1 {print $1}')
-  if [[ -z $addr || $addr == 127.* ]] && [[ $1 == "${SLURMD_NODENAME:-}" ]]; then
-    addr=$(hostname -I | awk '{print $1}')  # loopback reaches no other host: this host's first address
-  fi
-  echo "$addr"
-}
-first_node() { scontrol show hostnames "$1" | head -n1; }
-reachable() { timeout 2 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$1" "$2" 2>/dev/null; }
-
-wait_reachable() {  # WHAT HOST PORT PID: until HOST:PORT answers, while PID (its step) lives
-  until reachable "$2" "$3"; do
-    if [[ -n $4 ]] && ! kill -0 "$4" 2>/dev/null; then fail "$1 ended before it listened on $2:$3"; return 1; fi
-    run_going || { fail "the run ended before $1 listened on $2:$3"; return 1; }
-    if (( SECONDS > START_TIMEOUT_S )); then fail "$1 not listening on $2:$3 after ${START_TIMEOUT_S}s"; return 1; fi
-    sleep 1
-  done
-}
-
-own_steps() {  # this job's steps (every het component's), not the batch script itself
-  local ids=$(env | sed -n 's/^SLURM_JOB_ID_HET_GROUP_[0-9]*=//p' | paste -sd, -)
-  squeue -h -s -j "${ids:-$SLURM_JOB_ID}" -o %i 2>/dev/null | grep -vE '\.(batch|extern|interactive)$'
-}
-
-finish() {  # WAIT_S: let the generators leave by themselves, cancel this job's steps still there, and
-  # let their loops return (they must see the done flag before the EXIT trap removes it)
-  local deadline=$((SECONDS + $1)) pid steps
-  touch "$STATE/done"
-  for pid in "${GEN_PIDS[@]}"; do
-    while kill -0 "$pid" 2>/dev/null && (( SECONDS < deadline )); do sleep 1; done
-  done
-  steps=$(own_steps | paste -sd' ' -)
-  [[ -n $steps ]] || return 0
-  log "cancelling this job's remaining steps: $steps"
-  scancel --signal=TERM $steps 2>/dev/null
-  for _ in {1..10}; do [[ -z $(own_steps) ]] || sleep 1; done  # 10 s to leave on SIGTERM, then SIGKILL
-  steps=$(own_steps | paste -sd' ' -)
-  [[ -z $steps ]] || scancel $steps 2>/dev/null
-  for pid in "${GEN_PIDS[@]}"; do for _ in {1..10}; do kill -0 "$pid" 2>/dev/null && sleep 1; done; done
-}
-
-gen_loop() {  # NODE SLOT: one generator on NODE; started again when it fails while the run goes on
-  local node=$1 slot=$2 tries=0 rc id
-  while :; do
-    id="slurm$SLURM_JOB_ID-$node-$slot"
-    (( tries == 0 )) || id+="-r$tries"
-    srun @@gen_het--nodes=1 --ntasks=1 --nodelist="$node" --overlap --job-name="asyncrl-gen-$slot" \
-      --input=none --output="$SLURM_DIR/$id.log" \
-      "${ASYNCRL[@]}" generator --redis "$HEAD_ADDR:$PORT" --id "$id"
-    rc=$?
-    if [[ -e $STATE/done || ! -d $STATE ]] || ! run_going; then return 0; fi  # the job is ending
-    (( rc != 0 )) || { log "generator $id left the run"; return 0; }
-    tries=$((tries + 1))
-    if (( tries > GEN_RESTARTS )); then
-      log "generator $id exited with code $rc; restart budget ($GEN_RESTARTS) spent: left out, the run goes on"
-      return 0
-    fi
-    log "generator $id exited with code $rc; restarting it ($tries/$GEN_RESTARTS)"
-    sleep "$RESTART_DELAY_S"
-  done
-}
-
-start_generators() {  # NODELIST: GEN_PER_NODE generators on every node of it
-  local node slot
-  for node in $(scontrol show hostnames "$1"); do
-    for ((slot = 0; slot < GEN_PER_NODE; slot++)); do
-      gen_loop "$node" "$slot" &
-      GEN_PIDS+=($!)
-    done
-  done
-  log "started ${#GEN_PIDS[@]} generator(s) on $1, joining $HEAD_ADDR:$PORT"
-}
-"""
-
-_MAIN = r"""
-run_going() { [[ ! -e $STATE/head-done ]]; }
-if [[ -z ${ASYNCRL_SECRET:-} ]]; then ASYNCRL_SECRET=$(random_hex); fi
-export ASYNCRL_SECRET
-HEAD_NODE=$(first_node "${SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}")
-HEAD_ADDR=${ASYNCRL_HEAD_ADDR:-$(node_addr "$HEAD_NODE")}
-mkdir -p "$SLURM_DIR"
-log "job $SLURM_JOB_ID: run @@name, head on $HEAD_NODE ($HEAD_ADDR:$PORT), run directory $RUN_DIR"
-@@reward_block
-# -- the head: redis-server and the learner ranks; its exit is the run's -----------------------------
-srun @@head_het--nodes=1 --ntasks=1 --nodelist="$HEAD_NODE" --job-name=asyncrl-head --input=none \
-  "${ASYNCRL[@]}" launch @@launch_args &
-HEAD_PID=$!
-@@gen_start
-wait "$HEAD_PID"
-HEAD_RC=$?
-touch "$STATE/head-done"
-if (( HEAD_RC == 0 )); then
-  log "the head finished (exit 0): the run completed; waiting up to ${EXIT_WAIT_S}s for the generators to leave"
-  finish "$EXIT_WAIT_S"
-  log "job $SLURM_JOB_ID done: see $RUN_DIR/summary.json"
-  exit 0
-fi
-fail "the head step (redis-server + learners on $HEAD_NODE) exited with code $HEAD_RC; logs: $RUN_DIR/logs"
-finish 10
-exit "$HEAD_RC"
-"""
-
-_REWARD_BLOCK = r"""
-# -- the reward server, before the head (whose preflight checks data.reward) ------------------------
-REWARD_NODE=$(first_node "$SLURM_JOB_NODELIST_HET_GROUP_@@k")
-REWARD_ADDR=${ASYNCRL_REWARD_ADDR:-$(node_addr "$REWARD_NODE")}
-if [[ -z ${ASYNCRL_REWARD_TOKEN:-} ]]; then ASYNCRL_REWARD_TOKEN=$(random_hex); fi
-export ASYNCRL_REWARD_TOKEN
-printf '%s\n' "$ASYNCRL_REWARD_TOKEN" > "$SLURM_DIR/reward.token"  # 0600 (umask): for --join jobs
-srun --het-group=@@k --nodes=1 --ntasks=1 --nodelist="$REWARD_NODE" --job-name=asyncrl-reward --input=none \
-  "${ASYNCRL[@]}" reward-serve --reward @@reward --host "$REWARD_ADDR" --port @@reward_port \
-  --token-file "$SLURM_DIR/reward.token" &
-REWARD_PID=$!
-if ! wait_reachable "the reward server" "$REWARD_ADDR" @@reward_port "$REWARD_PID"; then finish 0; exit 1; fi
-log "reward server on $REWARD_NODE ($REWARD_ADDR:@@reward_port)"
-"""
-
-_JOIN = r"""
-JOIN_JOB=@@join
-head_record() { scontrol -o show job "$JOIN_JOB" 2>/dev/null | head -n1; }  # its component 0
-field() { tr ' ' '\n' <<<"$2" | sed -n "s/^$1=//p" | head -n1; }
-run_going() { [[ $(field JobState "$(head_record)") == RUNNING ]]; }
-while :; do  # the head job may still be pending
-  REC=$(head_record)
-  case $(field JobState "$REC") in
-    RUNNING) break ;;
-    PENDING | CONFIGURING) ;;
-    *) fail "job $JOIN_JOB is $(field JobState "$REC" | grep . || echo gone): no run to join"; exit 1 ;;
-  esac
-  if (( SECONDS > START_TIMEOUT_S )); then fail "job $JOIN_JOB did not start in ${START_TIMEOUT_S}s"; exit 1; fi
-  sleep 2
-done
-HEAD_NODE=$(first_node "$(field NodeList "$REC")")
-HEAD_ADDR=${ASYNCRL_HEAD_ADDR:-$(node_addr "$HEAD_NODE")}
-if [[ -z ${ASYNCRL_SECRET:-} ]]; then  # into the environment (the generator's weight bus reads it there)
-  until [[ -s $RUN_DIR/secret ]]; do  # the head writes it before its Redis listens
-    run_going || { fail "job $JOIN_JOB ended; no run to join"; exit 1; }
-    (( SECONDS < START_TIMEOUT_S )) || { fail "no $RUN_DIR/secret and no \$ASYNCRL_SECRET"; exit 1; }
-    sleep 1
-  done
-  ASYNCRL_SECRET=$(<"$RUN_DIR/secret")
-fi
-export ASYNCRL_SECRET
-TOKEN_FILE=$SLURM_DIR/reward.token  # the run's reward server's, if it has one
-[[ -n ${ASYNCRL_REWARD_TOKEN:-} || ! -s $TOKEN_FILE ]] || export ASYNCRL_REWARD_TOKEN=$(<"$TOKEN_FILE")
-log "job $SLURM_JOB_ID: generators joining run @@name of job $JOIN_JOB, head on $HEAD_NODE ($HEAD_ADDR:$PORT)"
-wait_reachable "the head's redis-server (job $JOIN_JOB)" "$HEAD_ADDR" "$PORT" "" || exit 1
-start_generators "$SLURM_JOB_NODELIST"
-while :; do  # until every generator has left, or the head job ended (then they have a while to leave)
-  live=0
-  for pid in "${GEN_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && live=1; done
-  (( live )) || break
-  run_going || { log "job $JOIN_JOB ended"; break; }
-  sleep 2
-done
-finish "$EXIT_WAIT_S"
-log "job $SLURM_JOB_ID done"
-"""
 
 
 def _q(value) -> str:
@@ -325,25 +144,30 @@ def render(spec: JobSpec) -> str:
     values = _values(spec)
     gen, reward = spec.component("generators"), spec.component("reward")
     het = len(spec.components) > 1
-    blocks = {"reward_block": "", "gen_start": ""}
+    blocks = {"reward_block": "", "gen_start": "", "learner_block": ""}
     launch = ["--name", spec.name, "--generators", "0", "--host", '"$HEAD_ADDR"', "--set", '"run.redis_port=$PORT"']
     launch += [_q(a) for a in spec.launch_args]
+    nodes, local = spec.components[0].nodes, spec.learners_per_node
+    if nodes > 1:  # the head starts ranks 0..local-1; each other learner node runs `local` more
+        launch += ["--set", f"run.learners={nodes * local}", "--set", f"run.local_learners={local}"]
+        lv = {"local": str(local), "head_het": "--het-group=0 " if het else ""}
+        blocks["learner_block"] = _Template(LEARNERS).substitute(lv)
     if reward is not None:
         rv = {"k": str(reward), "reward": _q(spec.reward), "reward_port": str(int(spec.reward_port))}
-        blocks["reward_block"] = _Template(_REWARD_BLOCK).substitute(rv)
+        blocks["reward_block"] = _Template(REWARD_BLOCK).substitute(rv)
         launch += ["--set", f'"data.reward=http://$REWARD_ADDR:{int(spec.reward_port)}/score"']
     if gen is not None:
         nodelist = f"$SLURM_JOB_NODELIST_HET_GROUP_{gen}" if het else "$SLURM_JOB_NODELIST"
         blocks["gen_start"] = (  # once the head's Redis answers (the head creates the run directory first)
             f'wait_reachable "the head" "$HEAD_ADDR" "$PORT" "$HEAD_PID" && start_generators "{nodelist}"'
         )
-    body = _Template(_MAIN).substitute(
+    body = _Template(MAIN).substitute(
         values, **blocks, head_het="--het-group=0 " if het else "", launch_args=" ".join(launch)
     )
     roles = ", ".join(f"{k} {c.role}" for k, c in enumerate(spec.components))
     head = _header(spec, f"asyncrl-{spec.name}", str(spec.slurm_dir / "job-%j.out"), with_comment=True)
     intro = f"# asyncrl run {spec.name}, rendered by `asyncrl slurm` (components: {roles}); see asyncrl/slurm.py\n"
-    return head + "\n" + intro + _Template(_COMMON).substitute(values) + body
+    return head + "\n" + intro + _Template(COMMON).substitute(values) + body
 
 
 def render_join(spec: JobSpec) -> str:
@@ -351,8 +175,8 @@ def render_join(spec: JobSpec) -> str:
     values = _values(spec)
     head = _header(spec, f"asyncrl-{spec.name}-join", str(spec.slurm_dir / "join-%j.out"), with_comment=False)
     intro = f"# generators joining asyncrl run {spec.name} of job {spec.join}, rendered by `asyncrl slurm --join`\n"
-    body = _Template(_JOIN).substitute(values, join=_q(spec.join))
-    return head + "\n" + intro + _Template(_COMMON).substitute(values) + body
+    body = _Template(JOIN).substitute(values, join=_q(spec.join))
+    return head + "\n" + intro + _Template(COMMON).substitute(values) + body
 
 
 # -- from the command line ---------------------------------------------------------------------------
@@ -390,8 +214,8 @@ def _job_kwargs(args) -> dict:
 def spec_from_args(args) -> JobSpec:
     from asyncrl.config import load_config, parse_override
 
-    if args.learner_nodes != 1:
-        raise UserError("--learner-nodes: the head runs every learner rank on its own node (run.learners); use 1")
+    if args.learner_nodes < 1:
+        raise UserError("--learner-nodes: the head needs one node at least")
     if args.reward_nodes > 1:
         raise UserError("--reward-nodes: a run scores with one reward server (data.reward is one URL); use 0 or 1")
     if args.reward_nodes and not args.reward:
@@ -400,6 +224,10 @@ def spec_from_args(args) -> JobSpec:
     if args.name:
         overrides["run.name"] = args.name
     cfg = load_config(args.config, overrides)
+    per_node = cfg.run.learners
+    if args.learner_nodes > 1:  # what the head will run: every node's ranks, its own first
+        cfg = load_config(args.config, {**overrides, "run.learners": per_node * args.learner_nodes,
+                                        "run.local_learners": per_node})  # fmt: skip
     run_dir = _check_path(cfg.run_dir.resolve())
     if run_dir.exists() and not cfg.run.overwrite:
         raise UserError(f"run directory {run_dir} exists: pick another --name, or --set run.overwrite=true")
@@ -410,8 +238,9 @@ def spec_from_args(args) -> JobSpec:
         name=cfg.run.name,
         run_dir=run_dir,
         port=port,
-        components=_components(args, cfg.run.learners),
+        components=_components(args, per_node),
         launch_args=launch,
+        learners_per_node=per_node,
         reward=args.reward,
         reward_port=args.reward_port or random.SystemRandom().randrange(*PORT_RANGE),
         **_job_kwargs(args),
@@ -478,7 +307,7 @@ def add_parser(sub) -> None:
     add("--name", help="run name (run.name); with --join, checked against the job's")
     add("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="dotted config override for the head's launch (repeatable)")  # fmt: skip
-    add("--learner-nodes", type=int, default=1, help="nodes of component 0 (the head and its learners): 1")
+    add("--learner-nodes", type=int, default=1, help="nodes of component 0: the head, and run.learners ranks on each")
     add("--generator-nodes", type=int, default=1, help="nodes of the generator component (0: none)")
     add("--generators-per-node", type=int, default=1, help="generator processes on each of them")
     add("--reward-nodes", type=int, default=0, help="1: a reward server component (with --reward)")

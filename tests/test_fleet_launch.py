@@ -152,6 +152,11 @@ def test_generators_join_leave_and_die_while_the_run_goes_on(tmp_path):
         records = RedisBuffer(source.url, source.prefix).admissions()
     assert records and all(live <= limit for _, live, limit in records)
     assert [seq for seq, _, _ in records] == list(range(len(records)))
+    print(  # the figures of the run (pytest -s shows them)
+        f"fleet {sizes}; eval {summary['initial_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f} in "
+        f"{summary['wall_seconds']:.0f}s; {len(records)} admissions, highest use "
+        f"{max(live / limit for _, live, limit in records):.2f} of the limit; buffer {summary['buffer']}"
+    )
 
 
 def test_a_learner_rank_joins_from_another_host(tmp_path):

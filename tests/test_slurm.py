@@ -119,13 +119,26 @@ def test_join_script_reads_the_head_job(tmp_path, monkeypatch):
         slurm.join_spec_from_args(slurm_args("--join", "41", "--name", "other"))
 
 
+def test_more_learner_nodes_run_asyncrl_learner_ranks(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    text = render_main(tmp_path, "--name", "wide", "--learner-nodes", "2")  # the demo: 2 ranks a node
+    assert "--nodes=2 --ntasks-per-node=1" in text.split("hetjob")[0]  # component 0: two learner nodes
+    assert "--set run.learners=4 --set run.local_learners=2" in text
+    assert 'learner --redis "$HEAD_ADDR:$PORT" --rank "$rank" --local-rank "$i"' in text
+    assert 'wait_reachable "the head" "$HEAD_ADDR" "$PORT" "$HEAD_PID" && start_learners' in text
+    bash_n(text, tmp_path)
+    assert "start_learners" not in render_main(tmp_path, "--name", "narrow")
+
+
 def test_what_the_renderer_refuses(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     (tmp_path / "taken").mkdir()
     with pytest.raises(UserError, match="exists"):
         render_main(tmp_path, "--name", "taken")
     with pytest.raises(UserError, match="--learner-nodes"):
-        render_main(tmp_path, "--name", "x", "--learner-nodes", "2")
+        render_main(tmp_path, "--name", "x", "--learner-nodes", "0")
+    with pytest.raises(UserError, match="divisible"):  # 3 nodes x 2 ranks do not split 8 groups a step
+        render_main(tmp_path, "--name", "x", "--learner-nodes", "3")
     with pytest.raises(UserError, match="--reward MODULE:FUNCTION"):
         render_main(tmp_path, "--name", "x", "--reward-nodes", "1")
     with pytest.raises(UserError, match="--generator-nodes"):
@@ -305,3 +318,19 @@ def test_a_killed_head_step_fails_the_job(jobs, tmp_path):
     assert "error: the head step (redis-server + learners on vm-0) exited with code" in out.read_text()
     assert jobs.sh("squeue", "-h").strip() == "" and jobs.steps() == ""
     assert wait_for(lambda: not cmdlines_with(str(run_dir)), 30, "the run's processes to end") is True
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_learner_ranks_on_two_nodes_train_the_demo(jobs, tmp_path):
+    """Component 0 of two nodes: the head's rank 0 and, on the second node, rank 1 (`asyncrl learner`)."""
+    _, job = jobs.submit_run("wide", "--learner-nodes", "2", "--set", "run.steps=6")
+    run_dir, slurm_dir = tmp_path / "wide", tmp_path / "wide.slurm"
+    out = slurm_dir / f"job-{job}.out"
+    wait_for(lambda: not jobs.queued(job), 420, "the job to end", out)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_reason"] == "completed" and summary["final_version"] == 6, out.read_text()[-3000:]
+    assert summary["final_eval_reward"] > summary["initial_eval_reward"] + QUALITY_MARGIN, summary
+    rank1 = (slurm_dir / "learner-1.log").read_text()
+    assert all(f"step {v} trained" in rank1 for v in range(1, 7))  # rank 1 took its share of every step
+    assert jobs.state(job)["JobState"] == "COMPLETED" and jobs.steps() == ""

@@ -212,7 +212,7 @@ def test_no_secret_in_logs(children, caplog):
     secret = new_secret()
     keys = curve_keys(secret, "tcp://")
     caplog.set_level(logging.DEBUG)
-    pub = setup_publisher(ZmqWeightsConfig(bucket_mb=1), "tcp://127.0.0.1:*", secret=secret)
+    pub = setup_publisher(ZmqWeightsConfig(bucket_mb=1, relay=True), "tcp://127.0.0.1:*", secret=secret)
     try:
         subs = [children(pub.address, f"g{i}", secret) for i in range(2)]
         intruder = children(pub.address, "intruder", new_secret())

@@ -8,6 +8,7 @@ and the waits here are several times that.
 
 from __future__ import annotations
 
+import random
 import signal
 import threading
 import time
@@ -112,6 +113,8 @@ class FlippingRelay:
     """A relay that passes on what the publisher sends but flips one byte of one version's first
     bucket: what a faulty host or link between two generators would do."""
 
+    forwards = True
+
     def __init__(self, publisher: str, flip_version: int) -> None:
         ctx = zmq.Context.instance()
         self.router = ctx.socket(zmq.ROUTER)
@@ -130,23 +133,27 @@ class FlippingRelay:
         self._thread.start()
 
     def _run(self) -> None:
-        hello = msgpack.packb({"id": "flipper", "have": -1, "relay": self.address})
         self.data.send_multipart([b"attach", msgpack.packb({"id": "flipper", "have": -1})])
         downstream = self.downstream
-        last_hello = 0.0
+        last_hello, have = 0.0, -1
         while not self._stop.is_set():
             if time.monotonic() - last_hello > HEARTBEAT_S:
-                self.control.send_multipart([b"hello", hello])
+                hello = {"id": "flipper", "have": have, "relay": self.address}
+                self.control.send_multipart([b"hello", msgpack.packb(hello)])
                 last_hello = time.monotonic()
             while self.control.poll(0):
                 self.control.recv_multipart()  # routes: this relay always takes from the publisher
             while self.router.poll(0):
                 ident, kind, _ = self.router.recv_multipart()
-                if kind == b"attach":
+                if kind == b"attach" and ident not in downstream:  # attach repeats every heartbeat
                     downstream.append(ident)
             if not self.data.poll(20):
                 continue
             msg = self.data.recv_multipart()
+            if not self.forwards:
+                continue
+            if msg[0] == b"manifest":  # what it passes on counts as had (it keeps no version itself)
+                have = max(have, int(msgpack.unpackb(msg[2])["version"]))
             if msg[0] == b"bucket" and msgpack.unpackb(msg[1]) == [self.flip_version, 0]:
                 data = bytearray(msg[2])
                 data[0] ^= 0x01  # the first tensor starts at offset 0: a data byte, covered by the checksum
@@ -193,6 +200,36 @@ def test_corrupted_bucket_at_a_relay_is_rejected_downstream():
         pub.close()
 
 
+class StuckRelay(FlippingRelay):
+    """A relay that says hello but passes nothing on: alive, and as slow as a relay can be."""
+
+    forwards = False
+
+
+def test_a_live_relay_that_passes_nothing_on_is_moved_out_of_the_way():
+    pub = setup_publisher(ZmqWeightsConfig(bucket_mb=1, relay=True), "tcp://127.0.0.1:*")
+    stuck = StuckRelay(pub.address, flip_version=-1)
+    kid = None
+    try:
+        deadline = time.monotonic() + 10
+        while pub.stats()["subscribers"] < 1:  # the stuck relay heads the chain: the child joins after it
+            assert time.monotonic() < deadline, "the fake relay never joined"
+            time.sleep(0.05)
+        kid = Child(pub.address, "behind", None)
+        while not stuck.downstream:
+            assert time.monotonic() < deadline + WAIT_S, "the child never attached to the stuck relay"
+            time.sleep(0.05)
+        pub.publish(1, state(1))  # only the publisher routing around the stuck relay can deliver it
+        assert kid.wait_version(1, WAIT_S) == state_dict_checksum(state(1))
+        assert pub.stats()["demoted"] >= 1 and pub.stats()["dropped"] == 0  # slow, not silent
+        assert kid.upstream == ""  # the stuck relay is last now; the child takes from the publisher
+    finally:
+        if kid is not None:
+            kid.close()
+        stuck.close()
+        pub.close()
+
+
 def test_relays_of_an_ipc_publisher_bind_next_to_it(tmp_path):
     """ipc: every relay endpoint is a socket in the publisher's directory, gone after close."""
     cfg = ZmqWeightsConfig(bucket_mb=1, relay=True)
@@ -215,3 +252,86 @@ def test_relays_of_an_ipc_publisher_bind_next_to_it(tmp_path):
             s.close()
         pub.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.sock"]
+
+
+@pytest.mark.parametrize("gap_s", [0.0, 0.1])
+def test_rapid_versions_reach_every_relay_in_a_chain(tmp_path, gap_s):
+    """A learner publishing version after version faster than a hop forwards them (one bucket per
+    version): every subscriber of the chain still ends on the last one, however many it skipped."""
+    pub = setup_publisher(ZmqWeightsConfig(relay=True), f"ipc://{tmp_path}/w.sock")
+    kids = [Child(pub.address, f"g{i}", None, wait=False) for i in range(3)]
+    try:
+        for k in kids:
+            k.wait_ready()
+        deadline = time.monotonic() + WAIT_S
+        while pub.stats()["subscribers"] < len(kids):
+            assert time.monotonic() < deadline, "the subscribers never joined"
+            time.sleep(0.05)
+        publish_and_check(pub, 1, kids)  # the chain is formed
+        last = 60
+        for v in range(2, last + 1):
+            pub.publish(v, state(v))
+            time.sleep(gap_s)
+        want = state_dict_checksum(state(last))
+        for k in kids:
+            assert k.wait_version(last, 60) == want, f"{k.name}: last version differs"
+        assert sorted(k.upstream != "" for k in kids) == [False, True, True]
+        assert all(k.rejected == 0 for k in kids)
+    finally:
+        for k in kids:
+            k.close()
+        pub.close()
+
+
+def test_a_forgotten_downstream_is_served_again(tmp_path):
+    """An upstream that lost track of a downstream's data connection (its cursor gone, as after a
+    send that found the routing id unreachable) serves it again at its next heartbeat's attach:
+    without that, both hops stall silently, the tail first, the head at the next version."""
+    cfg = ZmqWeightsConfig(relay=True)
+    pub = setup_publisher(cfg, f"ipc://{tmp_path}/w.sock")
+    subs = [setup_subscriber(cfg, pub.address, f"g{i}") for i in range(2)]
+    stop = threading.Event()
+    got: dict[str, str] = {}
+
+    def generator(sub) -> None:  # polls between "engine steps" and applies (copies) each version
+        rng = random.Random(sub.subscriber_id)
+        while not stop.is_set():
+            update = sub.poll(timeout_ms=rng.randint(0, 20))
+            if update is not None:
+                applied = {k: t.clone() for k, t in update.tensors.items()}
+                got[sub.subscriber_id] = state_dict_checksum(applied)
+            time.sleep(rng.random() * 0.05)
+
+    threads = [threading.Thread(target=generator, args=(s,), daemon=True) for s in subs]
+    for t in threads:
+        t.start()
+
+    def wait_all(version: int) -> None:
+        deadline = time.monotonic() + 60
+        while any(s.latest_version < version for s in subs):
+            assert time.monotonic() < deadline, f"stuck at {[s.latest_version for s in subs]}, not {version}"
+            time.sleep(0.05)
+
+    try:
+        pub.publish(1, state(1))
+        wait_all(1)
+        head = next(s for s in subs if s.upstream == "")
+        assert len(head._fanout.cursors) == 1 and len(pub._fanout.cursors) == 1
+        head._fanout.cursors = {}  # the relay forgets the tail's connection,
+        pub._fanout.cursors = {}  # and the publisher the head's (rebinding: the threads see old or new)
+        last = 40
+        for v in range(2, last + 1):
+            pub.publish(v, state(v))
+            time.sleep(0.05)
+        wait_all(last)
+        time.sleep(0.2)  # the generator threads apply the last version
+        assert all(got[s.subscriber_id] == state_dict_checksum(state(last)) for s in subs)
+        assert all(s.rejected == 0 for s in subs)
+        assert pub.stats()["demoted"] == 0 and pub.stats()["dropped"] == 0  # served again, not routed around
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        for s in subs:
+            s.close()
+        pub.close()

@@ -13,16 +13,22 @@ two connections out:
 
 - data, to its upstream (the publisher itself or another subscriber's relay endpoint)::
 
-      downstream -> upstream   [b"attach", {"id": str, "have": int}]   # on connect
+      downstream -> upstream   [b"attach", {"id": str, "have": int}]   # on connect, every HEARTBEAT_S
                                [b"bye",    {"id": str}]
       upstream -> downstream   the stream of ``relay_fanout``: a manifest, then one message per bucket
+
+  The repeated attach keeps a downstream served when its upstream forgot the connection (a send
+  found its routing id gone: a dropped and remade connection, which the upstream sees as new):
+  the upstream keeps the cursor of a known one and opens a fresh one for an unknown one.
 
 Topology: the publisher orders the live subscribers by when they (re)joined and chains them
 (``chain_routes``): the first takes its data from the publisher, each next one from the one before.
 A subscriber silent for ``DEAD_S`` (dead, or stopped: its heartbeat comes from a thread that a
 SIGSTOP stops too) leaves the chain, and the one behind it is routed past it at its next hello; a
 returning one says hello again and joins at the end. So a relay is bypassed within about
-``DEAD_S + HEARTBEAT_S``; a joiner is served at once by its upstream, which sends the newest
+``DEAD_S + HEARTBEAT_S``. A live but slow one (its hellos report the newest version it completed)
+that is still without a version its upstream completed ``SLOW_S`` ago moves to the end of the chain,
+where it holds nobody up. A joiner is served at once by its upstream, which sends the newest
 version it has, complete or still arriving.
 
 Verification: every hop checks each bucket (size, then its checksum over its tensors' digests)
@@ -62,6 +68,10 @@ HWM = 4
 # heartbeats: a subscriber starved of CPU for a moment (2 cores, 8 processes) is not dropped.
 HEARTBEAT_S = 0.5
 DEAD_S = 3.0
+# A relay still without the version its upstream has had for this long is slow (a starved host, a
+# thin link, a stuck process that still says hello): it moves to the end of the chain. In a healthy
+# pipelined chain a hop is a bucket time behind its upstream (milliseconds to a second).
+SLOW_S = 3.0
 # The largest bucket of a relayed stream (a smaller weights.bucket_mb is kept). A chain is a
 # pipeline as deep as a version has buckets: the last of n subscribers has it after about
 # (b + n - 1) bucket times against b for one, so a 200 MB model in 64 MiB buckets (b = 4) would cost
@@ -81,6 +91,8 @@ class Member:
     relay: str  # its endpoint, "" if it does not relay
     joined: float  # monotonic time it (re)joined: the chain order
     seen: float  # monotonic time of its last hello
+    have: int = -1  # the newest complete version it reported
+    behind_since: float | None = None  # monotonic time it fell behind its upstream (None: it is not)
 
 
 def chain_routes(members: list[Member]) -> list[str]:
@@ -105,7 +117,9 @@ class RelayWeightPublisher(RouterPublisher[Snapshot]):
         self._fanout = Fanout(self._send_zero_copy)
         self._members: dict[bytes, Member] = {}  # thread state: control connections in the chain
         self._released = None  # buckets of the newest version, for the pool once replaced
-        self._stats = {"versions": 0, "dropped": 0}
+        self._stats = {"versions": 0, "dropped": 0, "demoted": 0}
+        self._newest_at: tuple[int, float] | None = None  # (newest version, when the thread took it)
+        self._rerouted_at = 0.0  # monotonic time of the last demotion
         self._start()
 
     def stats(self) -> dict[str, int]:
@@ -142,6 +156,7 @@ class RelayWeightPublisher(RouterPublisher[Snapshot]):
         trackers = [f.tracker for f in buckets]
         self._released = (snap.buckets, lambda: all(t.done for t in trackers))
         self._fanout.offer(stream)
+        self._newest_at = (snap.version, time.monotonic())
         self._stats["versions"] += 1
 
     def _hello(self, ident: bytes, peer: Peer, body: dict, joined: bool) -> None:
@@ -150,6 +165,8 @@ class RelayWeightPublisher(RouterPublisher[Snapshot]):
         if member is None:
             member = self._members[ident] = Member(peer.name, str(body.get("relay") or ""), now, now)
         member.seen = now
+        have = int(body.get("have", -1))
+        member.have = max(member.have, have)
         self._send(ident, [b"route", msgpack.packb({"upstream": self._routes()[ident]})])
 
     def _left(self, ident: bytes, peer: Peer) -> None:
@@ -174,4 +191,31 @@ class RelayWeightPublisher(RouterPublisher[Snapshot]):
                 del self._members[ident]
                 self._peers.pop(ident, None)  # its next hello re-joins it, at the end of the chain
                 self._stats["dropped"] += 1
+                self._rerouted_at = now
+        self._demote_slow(now)
         self._fanout.pump()
+
+    def _demote_slow(self, now: float) -> None:
+        """Move a relay that lags its own upstream by more than ``SLOW_S`` to the end of the chain (at
+        most one per tick), so the members behind it take their data from its upstream instead."""
+        if self._newest_at is None:
+            return
+        order = sorted(self._members.values(), key=lambda m: m.joined)
+        version = self._newest_at[0]  # the publisher heads the chain
+        for m in order[:-1]:  # the last member holds nobody up
+            if m.have >= version:
+                m.behind_since = None
+            else:
+                # behind since its upstream first had a newer version than it (new publishes do not
+                # reset that), or since the chain last changed (a member just routed to a new upstream
+                # gets SLOW_S to catch up from it: no cascade)
+                m.behind_since = m.behind_since or now
+                behind = now - max(m.behind_since, self._rerouted_at)
+                if behind > SLOW_S:
+                    log.info("weights: %s is %.1fs behind its upstream, moved to the chain's end", m.name, behind)
+                    m.joined = self._rerouted_at = now
+                    m.behind_since = None
+                    self._stats["demoted"] += 1
+                    return
+            if m.relay:
+                version = m.have

@@ -131,7 +131,10 @@ class Fanout:
         self.sends = 0
 
     def attach(self, ident: bytes, name: str, have: int) -> None:
-        self.cursors[ident] = Cursor(name, have)
+        """A downstream attaches, or repeats its attach (every heartbeat): a known one keeps its
+        cursor (a send in progress goes on), an unknown one, new or forgotten, gets a fresh one."""
+        if ident not in self.cursors:
+            self.cursors[ident] = Cursor(name, have)
 
     def detach(self, ident: bytes) -> None:
         self.cursors.pop(ident, None)
@@ -157,7 +160,7 @@ class Fanout:
     def pump(self) -> None:
         for ident, cursor in list(self.cursors.items()):
             if self._pump_one(ident, cursor) == "gone":
-                log.debug("weights: downstream %s unreachable, forgotten", cursor.name)
+                log.info("weights: downstream %s unreachable, forgotten", cursor.name)
                 del self.cursors[ident]
 
     def _pump_one(self, ident: bytes, c: Cursor) -> Sent:

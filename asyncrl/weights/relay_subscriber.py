@@ -102,6 +102,8 @@ class RelayWeightSubscriber(WeightSubscriber):
                 now = time.monotonic()
                 if now - self._last_hello >= HEARTBEAT_S:
                     self._say(self._control, b"hello", {"have": self._have, "relay": self.relay_address})
+                    if self._data is not None:  # an upstream that forgot this connection serves it again
+                        self._say(self._data, b"attach", {"have": self._have})
                     self._last_hello = now
                 poller = zmq.Poller()
                 for sock in (self._control, self._data, self._router):
@@ -167,7 +169,8 @@ class RelayWeightSubscriber(WeightSubscriber):
             except Exception:  # noqa: BLE001
                 continue
             if kind == b"attach":
-                log.debug("weights: %s relays to %s", self.subscriber_id, body.get("id"))
+                if ident not in self._fanout.cursors:  # not its heartbeat repeats
+                    log.debug("weights: %s relays to %s", self.subscriber_id, body.get("id"))
                 self._fanout.attach(ident, str(body.get("id", "?")), int(body.get("have", -1)))
             elif kind == b"bye":
                 self._fanout.detach(ident)
