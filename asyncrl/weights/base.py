@@ -99,6 +99,23 @@ class WeightSubscriber(abc.ABC):
         self.close()
 
 
+class BackgroundSubscriber(WeightSubscriber):
+    """A subscriber whose own thread receives and verifies versions and ``put``s them in
+    ``self._mailbox``; ``poll`` takes the newest one that is newer than the last it returned."""
+
+    _closed: bool
+    _mailbox: Mailbox
+
+    def poll(self, timeout_ms: int = 0) -> WeightUpdate | None:
+        if self._closed:
+            raise RuntimeError("poll on a closed weight subscriber")
+        update = self._mailbox.take(timeout_ms)
+        if update is None or update.version <= self.latest_version:
+            return None
+        self.latest_version = update.version
+        return update
+
+
 class VerifyingSubscriber(WeightSubscriber):
     """``poll`` on top of a transport's ``_receive``: pick the newest message, verify, skip older."""
 

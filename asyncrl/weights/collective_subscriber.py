@@ -15,15 +15,15 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from asyncrl.weights.base import Mailbox, WeightSubscriber, log, log_rejection
+from asyncrl.weights.base import BackgroundSubscriber, Mailbox, log, log_rejection
 from asyncrl.weights.collective_buckets import build_update, check_manifest
 from asyncrl.weights.collective_bus import IDLE_MS
 from asyncrl.weights.collective_group import Group, arrived_key, gloo_host, resolve_device, split_tcp
 from asyncrl.weights.control_plane import ControlClient
-from asyncrl.weights.wire import WeightsRejected, WeightUpdate
+from asyncrl.weights.wire import WeightsRejected
 
 
-class CollectiveWeightSubscriber(WeightSubscriber):
+class CollectiveWeightSubscriber(BackgroundSubscriber):
     def __init__(
         self,
         address: str,
@@ -52,15 +52,6 @@ class CollectiveWeightSubscriber(WeightSubscriber):
         self._thread.start()
 
     # --- caller side ---------------------------------------------------------------------------
-    def poll(self, timeout_ms: int = 0) -> WeightUpdate | None:
-        if self._closed:
-            raise RuntimeError("poll on a closed weight subscriber")
-        update = self._mailbox.take(timeout_ms)
-        if update is None or update.version <= self.latest_version:
-            return None
-        self.latest_version = update.version
-        return update
-
     def close(self) -> None:
         if self._closed:
             return

@@ -18,7 +18,7 @@ import msgpack
 import torch
 import zmq
 
-from asyncrl.weights.base import Mailbox, WeightSubscriber, log, log_rejection
+from asyncrl.weights.base import BackgroundSubscriber, Mailbox, log, log_rejection
 from asyncrl.weights.control_plane import bus_context, send_nonblocking
 from asyncrl.weights.curve import curve_keys, make_client, make_server
 from asyncrl.weights.relay_bus import HEARTBEAT_S, HWM, IDLE_MS, RETRY_MS
@@ -33,7 +33,7 @@ from asyncrl.weights.relay_fanout import (
 from asyncrl.weights.wire import WeightsRejected, WeightUpdate, _buf, _flat_tensor, tensor_views
 
 
-class RelayWeightSubscriber(WeightSubscriber):
+class RelayWeightSubscriber(BackgroundSubscriber):
     def __init__(self, address: str, subscriber_id: str, have: int = -1, secret: str | None = None) -> None:
         self.address, self.subscriber_id = address, subscriber_id
         self.latest_version, self.rejected = have, 0
@@ -61,15 +61,6 @@ class RelayWeightSubscriber(WeightSubscriber):
         self._thread.start()
 
     # --- caller side ---------------------------------------------------------------------------
-    def poll(self, timeout_ms: int = 0) -> WeightUpdate | None:
-        if self._closed:
-            raise RuntimeError("poll on a closed weight subscriber")
-        update = self._mailbox.take(timeout_ms)
-        if update is None or update.version <= self.latest_version:
-            return None
-        self.latest_version = update.version
-        return update
-
     def close(self) -> None:
         if self._closed:
             return
