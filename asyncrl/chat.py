@@ -29,6 +29,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+from asyncrl.errors import UserError
+
 # Placeholder contents of the base conversation; any text the template copies verbatim will do.
 _BASE_USER, _BASE_ASSISTANT = "Hi.", "Hello."
 
@@ -41,11 +43,34 @@ class ChatTokens:
         self.templated = bool(use_template and getattr(tokenizer, "chat_template", None))
         self.system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
 
-    def prompt_ids(self, text: str) -> list[int]:
-        """The first user message (the task's prompt), ending with the generation prompt."""
+    def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
+        """The task's prompt, ending with the generation prompt: a string is the first user message, a
+        list is the chat ``messages`` (``system_prompt`` opens it unless it has a system message)."""
         if not self.templated:
-            return list(self.tok.encode(text))
-        return self._render([*self.system, {"role": "user", "content": text}], generation_prompt=True)
+            if not isinstance(prompt, str):
+                raise UserError(self._no_template)
+            return list(self.tok.encode(prompt))
+        return self._render(self._messages(prompt), generation_prompt=True)
+
+    def prompt_text(self, prompt: str | list[dict]) -> str:
+        """The prompt as a reward function receives it: a string as written; chat messages rendered by
+        the template (the generation prompt included)."""
+        if isinstance(prompt, str):
+            return prompt
+        if not self.templated:
+            raise UserError(self._no_template)
+        return self._text(self._messages(prompt), generation_prompt=True)
+
+    def _messages(self, prompt: str | list[dict]) -> list[dict]:
+        if isinstance(prompt, str):
+            return [*self.system, {"role": "user", "content": prompt}]
+        has_system = any(m["role"] == "system" for m in prompt)
+        return [*([] if has_system else self.system), *({"role": m["role"], "content": m["content"]} for m in prompt)]
+
+    @property
+    def _no_template(self) -> str:
+        why = "episode.chat_template is false" if getattr(self.tok, "chat_template", None) else "it has none"
+        return f"chat 'messages' need the tokenizer's chat template, and {why}: give plain 'prompt' strings"
 
     def observation_ids(self, text: str, role: str, after: Sequence[int]) -> list[int]:
         """What follows the model turn ``after`` (its token ids as sampled): the rest of the assistant
@@ -68,6 +93,22 @@ class ChatTokens:
             special = set(getattr(self.tok, "all_special_ids", []))
             ids |= {t for t in closing if t in special}
         return sorted(ids)
+
+    @property
+    def pad_id(self) -> int:
+        """The id that pads batches: the tokenizer's pad token, else EOS, else 0 (attention masks it out)."""
+        return next(t for t in (self.tok.pad_token_id, self.tok.eos_token_id, 0) if t is not None)
+
+    def response_ids(self, text: str) -> list[int]:
+        """An assistant reply as the model should emit it: its tokens and the token that ends the turn
+        (under a template, the assistant message's first special closing token; else EOS, if any)."""
+        ids = list(self.tok.encode(text, add_special_tokens=False))
+        if self.templated:
+            special = set(getattr(self.tok, "all_special_ids", []))
+            end = next((t for t in self._frame("user")[1] if t in special), self.tok.eos_token_id)
+        else:
+            end = self.tok.eos_token_id
+        return ids + ([end] if end is not None else [])
 
     # -- the renders, once per role ------------------------------------------------------------------
     def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:

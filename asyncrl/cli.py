@@ -185,6 +185,21 @@ def cmd_reward_serve(args) -> int:
     )
 
 
+def _plot_parser(sub) -> None:
+    p = sub.add_parser("plot", help="draw a PNG dashboard of one or more runs (overlaid) from their metrics")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (runs/<name>); a live run works too")
+    p.add_argument("-o", "--out", help="the PNG to write (default: RUN_DIR/dashboard.png of the first run)")
+    p.add_argument("--dpi", type=int, default=80, help="resolution: the image is 15 x 11 inches (default 80)")
+    p.set_defaults(func=cmd_plot)
+
+
+def cmd_plot(args) -> int:
+    from asyncrl.plot import dashboard
+
+    print(dashboard(args.runs, args.out, dpi=args.dpi))
+    return 0
+
+
 def cmd_prepare_demo(args) -> int:
     from asyncrl.config import load_config
     from asyncrl.preflight import ensure_model
@@ -202,12 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
     _launch_parser(sub)
     _status_parser(sub)
     _reward_serve_parser(sub)
+    _plot_parser(sub)
     from asyncrl import fleet
 
     fleet.add_parsers(sub)
     from asyncrl import slurm
 
     slurm.add_parser(sub)
+    from asyncrl import offline_launch
+
+    offline_launch.add_parsers(sub)
     p = sub.add_parser("prepare-demo", help="build (once) the demo model named by a config")
     p.add_argument("--config", default="configs/demo-cpu.yaml")
     p.set_defaults(func=cmd_prepare_demo)

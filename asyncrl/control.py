@@ -45,7 +45,7 @@ end
 return 0
 """
 
-# KEYS: members, leases, inflight. Returns {id, groups taken, ...} of every expired lease.
+# KEYS: members, leases, held. Returns {id, groups taken, ...} of every expired lease.
 _REAP = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -54,7 +54,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
   redis.call('ZREM', KEYS[1], id)
   redis.call('HDEL', KEYS[2], id)
   local n = tonumber(redis.call('HGET', KEYS[3], id)) or 0
-  redis.call('HSET', KEYS[3], id, 0)
+  redis.call('HDEL', KEYS[3], id)
   out[#out + 1] = id
   out[#out + 1] = n
 end
@@ -62,8 +62,10 @@ return out
 """
 
 
-def connect(url: str) -> redis.Redis:
-    """A client with bounded socket timeouts and retries, so a dead server is an error, not a hang."""
+def connect(url: str, retries: int = 14) -> redis.Redis:
+    """A client with bounded socket timeouts and retries, so a dead server is an error, not a hang.
+    The launcher that owns the run's redis-server passes few retries: it is the one that restarts a
+    dead server, so it must not wait out an outage it is the cure of."""
     from redis.backoff import ExponentialBackoff
     from redis.retry import Retry
 
@@ -73,7 +75,7 @@ def connect(url: str) -> redis.Redis:
         socket_connect_timeout=5,
         # about 20 s of retries: rides out a restart of the launcher's redis-server (it notices a
         # death within a poll and restarts it in well under a second, plus the AOF load)
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=14),
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         health_check_interval=10,
     )
@@ -122,27 +124,6 @@ class RunControl:
                 dropped += self.r.delete(key)
         return dropped
 
-    # -- in-flight groups ---------------------------------------------------------------------------
-    def set_inflight(self, ident: str, n: int) -> None:
-        """Groups this generator admitted and has not pushed yet."""
-        self.r.hset(self.keys.inflight, ident, n)
-
-    def take_all_inflight(self) -> int:
-        """For a resumed launch: every generator's unpushed groups (none of them survived), reset to 0."""
-        with self.r.pipeline() as p:  # MULTI: no increment can land between the read and the reset
-            p.hgetall(self.keys.inflight)
-            p.delete(self.keys.inflight)
-            counts, _ = p.execute()
-        return sum(int(v) for v in counts.values())
-
-    def take_inflight(self, ident: str) -> int:
-        """For the launcher after a generator died: its unpushed groups, reset to 0."""
-        with self.r.pipeline() as p:
-            p.hget(self.keys.inflight, ident)
-            p.hset(self.keys.inflight, ident, 0)
-            value, _ = p.execute()
-        return int(value or 0)
-
     # -- membership: the live fleet -------------------------------------------------------------
     def new_id(self, role: str, host: str) -> str:
         """A fresh id for a process joining a running job: ``<host>-<n>``, n counted by the run."""
@@ -184,7 +165,7 @@ class RunControl:
         """End every expired lease of ``role`` (a SIGKILLed or cut-off process): out of the fleet, its
         lease cancelled so it stops if it was only stalled, and its unpushed groups taken for the caller
         to release. Returns id -> groups taken. Atomic, so two reapers never take a count twice."""
-        raw = self._reap(keys=[self.keys.members(role), self.keys.leases(role), self.keys.inflight])
+        raw = self._reap(keys=[self.keys.members(role), self.keys.leases(role), self.keys.held])
         return {raw[i].decode(): int(raw[i + 1]) for i in range(0, len(raw), 2)}
 
     # -- heartbeats -------------------------------------------------------------------------------

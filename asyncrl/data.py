@@ -18,15 +18,17 @@ RewardFn = Callable[[str, str, dict], float]  # (prompt, completion text, record
 
 
 def load_jsonl(path: str | Path) -> list[dict]:
-    """Records with at least a ``prompt`` string; errors name the file and line."""
+    """Records with a ``prompt`` string or a chat ``messages`` list (see :func:`prompt_of`); errors name
+    the file and line."""
     records = [rec for _, rec in numbered_jsonl(path)]
     if not records:
         raise UserError(f"dataset file is empty: {path}")
     return records
 
 
-def numbered_jsonl(path: str | Path) -> list[tuple[int, dict]]:
-    """``(line number, record)`` of every non-blank line; errors name the file and line."""
+def numbered_jsonl(path: str | Path, problem: Callable[[object], str | None] | None = None) -> list[tuple[int, dict]]:
+    """``(line number, record)`` of every non-blank line; errors name the file and line. ``problem``: what
+    is wrong with one record, or None (default: a prompt dataset's rule)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"dataset file not found: {path}")
@@ -38,10 +40,34 @@ def numbered_jsonl(path: str | Path) -> list[tuple[int, dict]]:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-            raise UserError(f"{path}:{lineno}: each line must be an object with a string 'prompt'")
+        wrong = (problem or _record_problem)(rec)
+        if wrong:
+            raise UserError(f"{path}:{lineno}: {wrong}")
         records.append((lineno, rec))
     return records
+
+
+def prompt_of(record: dict) -> str | list[dict]:
+    """A record's prompt: its ``prompt`` string, or its ``messages``, a chat of ``{"role", "content"}``
+    objects that the tokenizer's chat template renders (ending with a generation prompt)."""
+    return record["prompt"] if "prompt" in record else record["messages"]
+
+
+def _record_problem(rec: object) -> str | None:
+    """What is wrong with one dataset line, or None."""
+    if not isinstance(rec, dict) or ("prompt" in rec) == ("messages" in rec):
+        return "each line must be an object with a string 'prompt' or a list of chat 'messages'"
+    if "prompt" in rec:
+        return None if isinstance(rec["prompt"], str) else "'prompt' must be a string"
+    messages = rec["messages"]
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list of {'role': ..., 'content': ...} objects"
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"messages[{i}] must be an object with string 'role' and 'content'"
+    if messages[-1]["role"] == "assistant":
+        return "the last message is the assistant's: the model has nothing to answer"
+    return None
 
 
 def import_by_path(spec: str) -> Callable:

@@ -42,8 +42,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl import rewards
-from asyncrl.data import call_bounded, import_by_path
+from asyncrl.data import call_bounded, import_by_path, prompt_of
 from asyncrl.errors import EpisodeFailure, UserError
+from asyncrl.generators.engine import stop_at
 from asyncrl.tools import Tool, ToolCall, load_parser, load_tools
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class Context:
         prompt_ids: list[int],
         complete: Complete,
         chat: ChatTokens,
+        stop: Sequence[str] = (),
         budget: int,
         max_new_tokens: int,
         cfg: EpisodeConfig,
@@ -80,9 +82,11 @@ class Context:
         parser: Callable[[str, dict[str, Tool]], list[ToolCall]],
         reward: rewards.RewardFn,
     ):
-        """``budget``: tokens the episode may add after its prompt (model and observation tokens)."""
+        """``budget``: tokens the episode may add after its prompt (model and observation tokens);
+        ``stop``: the run's stop strings (a turn's text ends at the first)."""
         self.task, self.seed, self.prompt_ids = task, seed, prompt_ids
         self._complete, self._chat, self._budget, self._max_new = complete, chat, budget, max_new_tokens
+        self._stop = tuple(stop)
         self._cfg, self.tools, self._parser, self._reward = cfg, tools, parser, reward
         self.options = cfg.options  # the run's episode.options
         # the sample, token by token
@@ -129,7 +133,9 @@ class Context:
         self.turns += 1
         self.finish_reason = c.finish_reason
         self._last_turn = list(c.tokens)
-        return ModelTurn(self._chat.tok.decode(c.tokens, skip_special_tokens=True), list(c.tokens), c.finish_reason)
+        text = self._chat.tok.decode(c.tokens, skip_special_tokens=True)
+        end = stop_at(text, self._stop) if self._stop else None
+        return ModelTurn(text[:end], list(c.tokens), c.finish_reason)  # a stop string's last token may hold more
 
     def reward_turn(self, reward: float) -> None:
         """Credit the last model turn with ``reward``, part of the episode's (token-level estimators
@@ -200,7 +206,8 @@ class Context:
     # -- rewards ---------------------------------------------------------------------------------------
     async def score(self, completion: str) -> dict[str, float]:
         """The run's ``data.reward`` of ``completion`` for this task (see ``asyncrl.rewards``)."""
-        return await rewards.score(self._reward, self.task["prompt"], completion, self.task, self._cfg.reward_timeout_s)
+        prompt = self._chat.prompt_text(prompt_of(self.task))  # chat messages: as the template rendered them
+        return await rewards.score(self._reward, prompt, completion, self.task, self._cfg.reward_timeout_s)
 
 
 # ----------------------------------------------------------------------------------- environments

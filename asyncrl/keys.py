@@ -19,12 +19,15 @@ key                 type                  contents
                                           entry from a foreign one
 ``P once:<token>``  string, expires       the answer of an admission or release, for its retries
 ``P version``       string                the learner's policy version (absent: 0)
-``P meta``          hash                  ``weights_address``, ``final_version``, ...: written once
+``P meta``          hash                  ``weights_address``, ``final_version``, ...: written once;
+                                          ``tied`` (the model's tied names, JSON), ``probe:<v>`` (the
+                                          learner's probe log-probs of version v, JSON; eight kept)
 ``P hb:<role>:<id>``hash, expires         heartbeat of one process: version served, pid, time
 ``P seen:<role>``   hash                  every process ever seen: id -> its last heartbeat (JSON)
 ``P staleness``     hash                  staleness of trained groups: steps behind -> groups
 ``P claim:<name>``  string                once-only claims (SET NX), e.g. who evaluates version v
-``P inflight``      hash                  groups each generator admitted but has not pushed
+``P held``          hash                  producer -> groups admitted for it that it has not pushed or
+                                          released (moved with the admission, push or release)
 ``P admissions``    stream                one entry per admitted group: ``seq``, ``live`` (groups holding
                                           a slot after it), ``limit``; about the newest 200k kept
 ``P members:<role>``zset                  live processes of ``role``: id -> when its lease expires
@@ -61,7 +64,7 @@ class RunKeys:
         self.version = self.prefix + "version"
         self.meta = self.prefix + "meta"
         self.staleness = self.prefix + "staleness"
-        self.inflight = self.prefix + "inflight"
+        self.held = self.prefix + "held"
         self.metrics = self.prefix + "metrics"
         self.stop = self.prefix + "stop"
         self.admissions = self.prefix + "admissions"

@@ -10,33 +10,31 @@ Supervision rules:
 - the run's own redis-server, if it dies, is restarted on the same port from its append-only
   file (up to ``run.max_redis_restarts`` times); clients reconnect by themselves;
 - Ctrl-C (or SIGTERM) stops every child it started, by process group, flushes metrics and writes
-  the summary; the exit code is 0 only when the run completed with its final evaluation.
+  the summary; the exit code is 0 only when the run completed (with its final evaluation, if it has one).
 Children run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then
 stops them in order: generators and learners first, redis-server last.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import redis
 
-from asyncrl.buffers.base import lost_groups, unfinished_groups
+from asyncrl.buffers.base import BufferUnavailableError, lost_groups, unfinished_groups
 from asyncrl.config import Config, dump_config
 from asyncrl.control import RunControl, connect
 from asyncrl.errors import UserError
 from asyncrl.fleet import MASTER_FIELD, engine_env, publish_run, wait_for_leaves, watch_fleet
 from asyncrl.learners.checkpoint import read_committed
-from asyncrl.lifetime import die_with, live_processes, stop_processes
+from asyncrl.lifetime import Child, die_with, exit_soon, jemalloc_env, live_processes, signal_processes, stop_processes
 from asyncrl.net import interface_of, is_loopback
 from asyncrl.preflight import external_redis_url, preflight
 from asyncrl.redis_server import free_loopback_port, url_address
@@ -46,61 +44,9 @@ from asyncrl.secret import ENV as SECRET_ENV
 from asyncrl.secret import new_secret, read_secret, redis_password, write_secret
 
 STOP_GRACE_S = 10.0  # children get this long to leave on their own before SIGTERM, then SIGKILL
+DEFER_LIMIT_S = 60.0  # generators held back at spawn (see Launcher.spawn) start after this at the latest
+OWN_REDIS_RETRIES = 1  # the launcher's clients of the redis-server it runs (see Launcher.run)
 FINAL_EVAL_TIMEOUT_S = 180.0  # after the learners finish, how long the final evaluation may take
-
-
-@dataclasses.dataclass
-class Child:
-    role: str  # "learner" | "generator"
-    ident: int
-    cmd: list[str]
-    env: dict[str, str]
-    log_path: Path
-    proc: subprocess.Popen | None = None
-    incarnation: int = 0
-
-    nice: int = 0
-    cpus: set[int] | None = None
-    launcher_pid: int = dataclasses.field(default_factory=os.getpid)
-
-    def _preexec(self) -> None:
-        die_with(self.launcher_pid)()
-        if self.nice:
-            os.nice(self.nice)
-            # each child has its own session, so with autogroup scheduling (most Linux desktops and
-            # this CI) CFS shares the CPU between sessions and a per-process nice has no effect:
-            # the session's autogroup must be niced too
-            try:
-                with open("/proc/self/autogroup", "w") as f:
-                    f.write(str(self.nice))
-            except OSError:
-                pass
-        if self.cpus:
-            os.sched_setaffinity(0, self.cpus)
-
-    def start(self) -> None:
-        log = self.log_path.open("ab")
-        cmd = [*self.cmd, "--incarnation", str(self.incarnation)] if self.role == "generator" else self.cmd
-        self.proc = subprocess.Popen(
-            cmd,
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=self._preexec,
-        )
-        log.close()
-
-    @property
-    def name(self) -> str:
-        return f"{self.role}-{self.ident}"
-
-    def log_tail(self, lines: int = 8) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 def _has_cuda() -> bool:
@@ -126,6 +72,8 @@ class Launcher:
         self.secret = ""
         self.learner_master = ""  # host:port of the learners' rendezvous
         self.fleet: set[str] = set()  # the live generators, as of the last look
+        self.deferred: list[Child] = []  # generators not started yet (see spawn)
+        self.deferred_until = 0.0  # when they start anyway
 
     # -- set-up ------------------------------------------------------------------------------------
     def prepare_run_dir(self) -> Path:
@@ -147,6 +95,8 @@ class Launcher:
             for stale in ("metrics.jsonl", "summary.json"):
                 (self.run_dir / stale).unlink(missing_ok=True)
             for stale in ("checkpoint", "export", "redis"):  # a restarted learner must never resume an old run
+                shutil.rmtree(self.run_dir / stale, ignore_errors=True)
+            for stale in ("tensorboard", "wandb"):  # the metrics of the run this one starts over
                 shutil.rmtree(self.run_dir / stale, ignore_errors=True)
         return write_secret(self.run_dir / "config.yaml", dump_config(self.cfg), newline=False)
 
@@ -182,6 +132,16 @@ class Launcher:
         env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
         return env
 
+    def learner_env(self, base: dict[str, str]) -> dict[str, str]:
+        """The learner ranks' environment: ``base``, on jemalloc where asked and installed."""
+        if not self.cfg.learner.jemalloc:
+            return base
+        env = jemalloc_env(base)
+        if env is None:
+            self.log("learner.jemalloc: no libjemalloc.so.2 (apt install libjemalloc2); learners use glibc malloc")
+            return base
+        return env
+
     @property
     def pin_cpus(self) -> bool:
         return self.cfg.run.cpu_scheduling and not _has_cuda()
@@ -193,6 +153,7 @@ class Launcher:
     def spawn(self, config_path: Path, url: str, prefix: str) -> None:
         cfg, logs = self.cfg, self.run_dir / "logs"
         base = self.child_env(url, prefix)
+        learner_env = self.learner_env(base)
         master_port = str(free_loopback_port())
         ncpu, local = os.cpu_count() or 1, cfg.run.learners - cfg.run.remote_learners
         # the rendezvous store listens on this address only (learners.engine), gloo's pair sockets on
@@ -203,7 +164,7 @@ class Launcher:
         self.learner_master = f"{master}:{master_port}"
         for rank in range(local):
             env = dict(
-                base,
+                learner_env,
                 MASTER_ADDR=master,
                 MASTER_PORT=master_port,
                 GLOO_SOCKET_IFNAME=ifname,
@@ -238,9 +199,30 @@ class Launcher:
                 "--log-file",
                 str(log_path),
             ]
-            self.children.append(Child("generator", i, cmd, env, log_path, nice=self.generator_nice))
+            child = Child("generator", i, cmd, env, log_path, nice=self.generator_nice, nice_when_up=i == 0)
+            self.children.append(child)
+        if self.pin_cpus and ncpu < local + cfg.run.generators:
+            # start-ups compete for the cores, and the first learner step waits for the learners and ONE
+            # generator: the others start once the learners are ready (their CPU is free again) or that
+            # generator is up (or gone, or late)
+            self.deferred = [c for c in self.children if c.role == "generator" and c.ident > 0]
+            self.deferred_until = time.monotonic() + DEFER_LIMIT_S
         for child in self.children:
-            child.start()
+            if child not in self.deferred:
+                child.start()
+
+    def start_deferred(self, control: RunControl) -> None:
+        """Start the generators spawn held back once the learners are ready (rank 0 advertises its weights),
+        or generator 0 serves (is in the fleet) or exited, or they are late."""
+        first = next((c for c in self.children if c.role == "generator" and c.ident == 0), None)
+        if not self.deferred or first is None:
+            return
+        ready = "0" in self.fleet or first.proc.poll() is not None or time.monotonic() > self.deferred_until
+        if ready or control.get_meta("weights_address") is not None:
+            for c in self.deferred:
+                c.start()
+            self.deferred = []
+            self.write_run_info()
 
     # -- supervision -------------------------------------------------------------------------------
     def check_children(self, control: RunControl) -> str | None:
@@ -249,12 +231,15 @@ class Launcher:
         learners = [c for c in self.children if c.role == "learner"]
         dead = [c for c in learners if c.proc.poll() not in (None, 0)]
         if dead:
+            # one rank's death fails the others' collectives (exit 1) within the same poll: name the
+            # rank a signal killed, the cause, before those that exited because of it
+            dead.sort(key=lambda c: c.proc.returncode >= 0)
             self.restart_learners(control, dead[0])
             return None
         if all(c.proc.poll() == 0 for c in learners):
             return "learners_done"
         for c in self.children:
-            if c.role == "generator" and c.proc.poll() is not None:
+            if c.role == "generator" and c.proc is not None and c.proc.poll() is not None:
                 self.restarts += 1
                 if self.restarts > self.cfg.run.max_generator_restarts:
                     raise UserError(
@@ -262,7 +247,7 @@ class Launcher:
                         f"({self.cfg.run.max_generator_restarts}) is spent; see {c.log_path}:\n{c.log_tail()}"
                     )
                 self.log(f"{c.name} exited with code {c.proc.returncode}; restarting ({self.restarts})")
-                self.release_inflight(control, c)
+                self.release_held(c)
                 c.incarnation += 1
                 c.start()
                 self.write_run_info()
@@ -281,11 +266,9 @@ class Launcher:
             return url_address(url)
         return f"{self.cfg.run.host}:{self.redis.port}"
 
-    def release_inflight(self, control: RunControl, c: Child) -> None:
+    def release_held(self, c: Child) -> None:
         """A dead generator's admitted-but-unpushed groups would hold admission slots forever."""
-        lost = control.take_inflight(str(c.ident))
-        if lost:
-            self.buffer.release(lost)
+        self.buffer.release_held(str(c.ident))
 
     def restart_learners(self, control: RunControl, failed: Child) -> None:
         code = failed.proc.returncode
@@ -307,10 +290,11 @@ class Launcher:
         self.remove_stale_weights()
         for c in self.children:
             if c.role == "generator":
-                self.release_inflight(control, c)
+                self.release_held(c)
                 c.incarnation += 1
         control.forget_meta("weights_address")  # generators wait for the new publisher's
         self.new_rendezvous()
+        self.deferred = []  # all start now
         for c in self.children:
             c.start()
         self.write_run_info()
@@ -328,7 +312,10 @@ class Launcher:
                 c.env.update(MASTER_PORT=port)
 
     def end_children(self, grace_s: float) -> None:
-        """Give the run's processes ``grace_s`` to leave on their own, then end them."""
+        """Give the run's processes ``grace_s`` to leave on their own, then end them. Generators are told
+        at once: their SIGTERM is the run's stop (the same clean leave), seen without waiting for their next
+        tick, or for the end of a start-up that would serve nothing (its default action, before the handler)."""
+        signal_processes([c for c in self.children if c.role == "generator"], signal.SIGTERM)
         stop_processes(self.children, grace_s=grace_s)
 
     def check_redis(self) -> None:
@@ -384,8 +371,8 @@ class Launcher:
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self) -> int:
-        cfg = self.cfg
-        preflight(cfg, self.redis_url, log=self.log)
+        # the config the run uses (config.yaml, `meta config`): a GGUF model.path becomes its converted directory
+        self.cfg = cfg = preflight(self.cfg, self.redis_url, log=self.log)
         config_path = self.prepare_run_dir()
         self.stats = RunStats(cfg.run, self.run_dir, resumed=self.resume is not None)
         self.remove_stale_weights()  # of any earlier run on this host whose learner was killed
@@ -403,8 +390,11 @@ class Launcher:
             else:
                 run_id = f"{cfg.run.name}-{secrets.token_hex(4)}"
                 prefix = run_prefix(run_id)
-            control = RunControl(connect(url), prefix)
-            self.buffer = setup_buffer(cfg.buffer, url, prefix)
+            # our own redis-server: its clients here fail fast, and supervise restarts a dead server
+            # (check_redis) instead of waiting in their retries while the other processes' run out
+            retries = {} if self.redis is None else {"retries": OWN_REDIS_RETRIES}
+            control = RunControl(connect(url, **retries), prefix)
+            self.buffer = setup_buffer(cfg.buffer, url, prefix, **retries)
             if self.resume is not None:
                 undone = reset_for_resume(control, self.buffer, set(self.stats.evals))
                 self.stats.skip_logged(control)
@@ -454,6 +444,7 @@ class Launcher:
             if self.redis is not None:
                 self.redis.stop()
             signal.signal(signal.SIGINT, previous_int)
+            exit_soon()
         return code
 
     def supervise(self, control: RunControl) -> tuple[str, int]:
@@ -461,18 +452,25 @@ class Launcher:
         deadline = time.monotonic() + cfg.run.timeout_s
         with Progress(self.console, cfg.run.steps) as progress:
             learners_done_at = None
+            evaluates = cfg.generator.eval and cfg.data.eval is not None  # else there is no final eval to wait for
             while True:
                 self.check_redis()  # first: every client of the run waits on it, the launcher too
-                self.stats.drain(control, on_eval=self.log)
-                self.watch_fleet(control)
-                progress.update(self.stats)
-                fatal = control.get_meta("fatal")
-                if fatal is not None:  # a generator's failure limit: the run trains on nothing
-                    raise UserError(f"{fatal} (see {self.run_dir / 'logs'})")
-                if learners_done_at is None and self.check_children(control) == "learners_done":
-                    learners_done_at = time.monotonic()
+                try:
+                    self.stats.drain(control, on_eval=self.log, buffer=self.buffer)  # + the buffer's depth
+                    self.watch_fleet(control)
+                    self.start_deferred(control)
+                    progress.update(self.stats)
+                    fatal = control.get_meta("fatal")
+                    if fatal is not None:  # a generator's failure limit: the run trains on nothing
+                        raise UserError(f"{fatal} (see {self.run_dir / 'logs'})")
+                    if learners_done_at is None and self.check_children(control) == "learners_done":
+                        learners_done_at = time.monotonic()
+                except (redis.ConnectionError, redis.TimeoutError, BufferUnavailableError):
+                    if self.redis is None or self.redis.is_running():
+                        raise
+                    continue  # our redis-server died during this tick: check_redis restarts it at once
                 if learners_done_at is not None:
-                    if self.stats.final_eval_reward is not None:
+                    if self.stats.final_eval_reward is not None or not evaluates:
                         return "completed", 0
                     if time.monotonic() - learners_done_at > FINAL_EVAL_TIMEOUT_S:
                         raise UserError("the learners finished but no generator ran the final evaluation")

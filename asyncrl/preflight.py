@@ -1,12 +1,22 @@
 """What ``asyncrl launch`` checks before it starts anything (``--dry-run`` runs the light part), and the
-one thing it may build first: the demo model, at its recipe's own cache path only."""
+one thing it may build first: the model, either a recipe's (the demo models, ``smollm2-135m-instruct``)
+at the recipe's own cache path only, or the HF directory of a ``.gguf`` named by ``model.path``.
+
+A GGUF is converted here, once for the whole run and before any child starts (``asyncrl.gguf_model``
+caches it by content). :func:`preflight` returns the config the run then uses, with ``model.path``
+the converted directory: the launcher writes THAT config to ``runs/<name>/config.yaml`` (which every
+child reads) and to Redis's ``meta config`` (which joiners read), so learners, generators and the
+export all load the same directory and nothing else ever sees the GGUF."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from asyncrl.config import RECIPE_PATHS, Config, ModelConfig
+from asyncrl import smollm2
+from asyncrl.config import Config, ModelConfig
 from asyncrl.errors import UserError
+from asyncrl.gguf_model import ensure_converted, is_gguf
+from asyncrl.sections import RECIPE_PATHS
 
 
 def preflight_light(cfg: Config, redis_url: str | None = None) -> None:
@@ -18,11 +28,16 @@ def preflight_light(cfg: Config, redis_url: str | None = None) -> None:
     load_jsonl(cfg.data.train)
     if cfg.data.eval:
         load_jsonl(cfg.data.eval)
-    load_reward(cfg.data.reward, cfg.episode.reward_timeout_s)  # imports it, or checks its URL
+    for spec in filter(None, (cfg.data.reward, cfg.data.eval_reward)):
+        load_reward(spec, cfg.episode.reward_timeout_s)  # imports it, or checks its URL or export
     load_episode(cfg.episode)  # the episode function or Env, its tools and tool parser
     check_model_path(cfg.model)
+    check_lora(cfg.model)
     check_prompt_lengths(cfg)
     check_host(cfg)
+    from asyncrl.metrics import check_wandb
+
+    check_wandb(cfg.run.wandb)
     from asyncrl.redis_server import check_redis_url, find_redis_binary
 
     redis_url = redis_url or external_redis_url(cfg)
@@ -30,6 +45,14 @@ def preflight_light(cfg: Config, redis_url: str | None = None) -> None:
         check_redis_url(redis_url)
     else:
         find_redis_binary()
+
+
+def check_lora(model: ModelConfig) -> None:
+    """``model.lora`` needs peft, an optional extra."""
+    import importlib.util
+
+    if model.lora is not None and importlib.util.find_spec("peft") is None:
+        raise UserError("model.lora trains through peft, which is not installed: pip install 'asyncrl[lora]'")
 
 
 def check_host(cfg: Config) -> None:
@@ -60,12 +83,15 @@ def external_redis_url(cfg: Config) -> str | None:
     return cfg.buffer.url if cfg.buffer.type == "redis" else None
 
 
-def preflight(cfg: Config, redis_url: str | None, log=print) -> None:
+def preflight(cfg: Config, redis_url: str | None, log=print) -> Config:
+    """Every check, and the model built or converted if need be; returns the config the run uses
+    (``cfg``, or with ``model.path`` a GGUF's converted directory: see the module's doc)."""
     built_here = not (Path(cfg.model.path) / "config.json").is_file()
     preflight_light(cfg, redis_url)
-    ensure_model(cfg, log)
+    cfg = ensure_model(cfg, log)
     if built_here:  # the light checks could not look at the prompts yet
         check_prompt_lengths(cfg)
+    return cfg
 
 
 def check_prompt_lengths(cfg: Config) -> None:
@@ -77,15 +103,18 @@ def check_prompt_lengths(cfg: Config) -> None:
         return
     from transformers import AutoTokenizer
 
-    from asyncrl.data import numbered_jsonl
+    from asyncrl.chat import ChatTokens
+    from asyncrl.data import numbered_jsonl, prompt_of
     from asyncrl.generators.engine import context_length, fits
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     tok.model_max_length = 1 << 62  # measuring here: transformers' "longer than the maximum" warning is ours to say
-    context, budget = context_length(cfg.model.path), cfg.generator.max_new_tokens
+    chat = ChatTokens(tok, use_template=cfg.episode.chat_template, system_prompt=cfg.episode.system_prompt)
+    context = context_length(cfg.model.path, cfg.generator.max_model_len)
+    budget = cfg.generator.max_new_tokens
     for path in [cfg.data.train, *([cfg.data.eval] if cfg.data.eval else [])]:
         lines = numbered_jsonl(path)
-        lengths = [len(ids) for ids in tok([rec["prompt"] for _, rec in lines])["input_ids"]] if lines else []
+        lengths = [len(chat.prompt_ids(prompt_of(rec))) for _, rec in lines]  # as the generators encode them
         bad = [(lineno, n) for (lineno, _), n in zip(lines, lengths, strict=True) if not fits(n, budget, context)]
         if bad:
             (lineno, n), more = bad[0], len(bad) - 1
@@ -97,21 +126,30 @@ def check_prompt_lengths(cfg: Config) -> None:
 
 
 def check_model_path(model: ModelConfig) -> None:
-    """A model directory, or the recipe's own cache path (built on first use); else one error."""
+    """A model directory, a ``.gguf`` file, or the recipe's own cache path (built on first use); else one error."""
     path = Path(model.path)
-    if (path / "config.json").is_file() or model.builds_recipe:
+    if (path / "config.json").is_file() or model.builds_recipe or (is_gguf(path) and path.is_file()):
         return
     what = "is not an HF model directory (no config.json)" if path.is_dir() else "does not exist"
     hint = f"; model.recipe={model.recipe} builds only at {RECIPE_PATHS[model.recipe]}" if model.recipe else ""
     raise UserError(f"model.path {path} {what}{hint}")
 
 
-def ensure_model(cfg: Config, log=print) -> None:
+def ensure_model(cfg: Config, log=print) -> Config:
+    """The model at ``model.path``, built by its recipe or converted from a GGUF if need be; returns the
+    config whose ``model.path`` names the directory the run loads (``cfg`` itself unless a GGUF)."""
     check_model_path(cfg.model)
     path = Path(cfg.model.path)
+    if is_gguf(path):
+        directory = str(ensure_converted(path, log=log))
+        return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": directory})})
     if (path / "config.json").is_file():
-        return
+        return cfg
+    if cfg.model.recipe == smollm2.RECIPE:
+        smollm2.model_path(path, log=log)
+        return cfg
     from asyncrl.demo.model import prepare_demo_model
 
     log(f"building the demo model at {path} (once; cached)")
     prepare_demo_model(path, seed=cfg.run.seed, log=log, recipe=cfg.model.recipe)
+    return cfg

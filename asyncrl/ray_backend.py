@@ -44,7 +44,7 @@ from asyncrl.config import Config
 from asyncrl.errors import UserError
 from asyncrl.fleet import engine_env
 from asyncrl.launch import STOP_GRACE_S, Child, Launcher
-from asyncrl.lifetime import die_with
+from asyncrl.lifetime import die_with, lower_priority
 from asyncrl.resume import ResumePoint
 
 PLACE_TIMEOUT_S = 300.0  # an actor (or the learners' placement group) waits this long for the cluster's room
@@ -89,13 +89,7 @@ class ProcessActor:
 
         def preexec() -> None:
             death()
-            if nice:  # in its own session, so its autogroup too (see asyncrl.launch.Child._preexec)
-                os.nice(nice)
-                try:
-                    with open("/proc/self/autogroup", "w") as f:
-                        f.write(str(nice))
-                except OSError:
-                    pass
+            lower_priority(nice)  # in its own session, so its autogroup too
 
         self.log_path = log_path
         with open(log_path, "ab") as log:

@@ -98,8 +98,6 @@ def reset_for_resume(control, buffer, eval_versions_done: set[int]) -> dict[str,
     control.forget_meta("final_version")
     control.forget_meta("fatal")  # a run stopped by its failure limit gets another chance
     control.forget_heartbeats()
-    unpushed = control.take_all_inflight()
-    if unpushed:
-        buffer.release(unpushed)
+    unpushed = buffer.release_held()  # every producer's: none of them survived
     evals = control.forget_eval_claims(keep=eval_versions_done)
     return {"released_slots": unpushed, "eval_claims_dropped": evals}

@@ -38,6 +38,10 @@ def load_reward(spec: str, timeout_s: float) -> RewardFn:
         from asyncrl.remote_reward import RemoteReward
 
         return RemoteReward(spec, timeout_s=timeout_s)
+    from asyncrl.reward_model import PREFIX, RewardModelReward
+
+    if spec.startswith(PREFIX):  # an `asyncrl rm` export, loaded at its first call
+        return RewardModelReward(spec.removeprefix(PREFIX))
     return import_by_path(spec)
 
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from asyncrl.config import RunConfig
-from asyncrl.metrics import JsonlSink
+from asyncrl.metrics import open_sinks, read_metrics
 
 
 class WeightSync:
@@ -56,14 +56,16 @@ class WeightSync:
         return out
 
 
+RECENT_STEPS = 11  # the ETA's step rate is over the last 10 steps: recent enough to follow a slowdown
+
+
 class RunStats:
     """Folds the metric records of every process into the figures of the progress line and summary."""
 
     def __init__(self, run: RunConfig, run_dir: Path, resumed: bool = False):
         self.run = run
         self.started = time.time()
-        previous = _read_jsonl(run_dir / "metrics.jsonl") if resumed else []
-        self.sink = JsonlSink(run_dir / "metrics.jsonl")  # appends: a resumed run's history goes on
+        previous = read_metrics(run_dir / "metrics.jsonl") if resumed else []
         self.cursor = "0-0"
         self.version = 0
         self.reward = None
@@ -85,11 +87,15 @@ class RunStats:
         self.sync_seconds: list[float] = []
         self.bad_records = 0  # metric records of the wrong shape (skipped)
         self.bad_records_read = 0  # metric entries that were not JSON objects (skipped by RunControl)
+        self.staleness_histogram: dict[int, int] = {}  # trained groups by staleness, as of the last step
+        self.recent_steps: collections.deque[tuple[float, int]] = collections.deque(maxlen=RECENT_STEPS)
         self.resumed_records = len(previous)
         for record in previous:  # the launch before this one: its figures count (nothing re-logged)
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 self._fold(record, None)
                 self.weight_sync.fold(record)
+        self.recent_steps.clear()  # the ETA is this launch's pace
+        self.sink = open_sinks(run, run_dir, self.version)  # metrics.jsonl, tensorboard/, W&B
 
     def skip_logged(self, control) -> None:
         """A resumed launch reads the metrics stream after what its predecessor wrote to metrics.jsonl:
@@ -97,11 +103,14 @@ class RunStats:
         if self.resumed_records:  # else that launch logged nothing: read the stream from its start
             self.cursor = control.first_metrics_id() or self.cursor
 
-    def drain(self, control, on_eval=None) -> None:
+    def drain(self, control, on_eval=None, buffer=None) -> None:
+        """Log the records the run's processes sent since the last drain; after a learner step, also the
+        buffer's depth (``buffer/queued``, ``buffer/pending``: the launcher's own record, from ``buffer``)."""
         try:
             cursor, records = control.read_metrics(self.cursor)
         except Exception:  # the run is ending because redis died; keep what we have
             return
+        stepped = False
         for record in records:
             try:
                 self._fold(record, on_eval)
@@ -110,15 +119,31 @@ class RunStats:
                 self.bad_records += 1
                 continue
             self.sink.log(record)
+            stepped = stepped or "learner/version" in record
             for sync in syncs:
-                self.sink.log(sync)
+                self.sink.log({"time": record.get("time", time.time()), **sync})
                 self.sync_seconds.append(sync["weights/sync_seconds"])
+        if stepped:
+            self._sample_buffer(control, buffer)
         self.cursor = cursor
         self.bad_records_read = control.bad_metrics
         try:  # after the records are in metrics.jsonl: a launcher killed in between re-reads, never loses
             control.trim_metrics(cursor)
         except Exception:
             pass
+
+    def _sample_buffer(self, control, buffer) -> None:
+        """Once per learner step: the staleness histogram of trained groups (for the summary) and the
+        buffer's depth (a metric record). Either may be gone while the run ends."""
+        with contextlib.suppress(Exception):
+            self.staleness_histogram = control.staleness_histogram()
+        if buffer is None:
+            return
+        try:
+            counts = buffer.stats()
+        except Exception:
+            return
+        self.sink.log({"time": time.time(), "buffer/queued": counts["queued"], "buffer/pending": counts["pending"]})
 
     def _fold(self, record: dict, on_eval) -> None:
         """Take one record; a field of the wrong shape raises before anything changed."""
@@ -127,6 +152,7 @@ class RunStats:
             staleness_mean = float(record["buffer/staleness_mean"])
             dropped, samples = int(record["buffer/dropped_stale"]), int(record["learner/samples"])
             wall = float(record["learner/wall_seconds"])
+            at = float(record.get("time", time.time()))
             self.version = version
             self.reward = record.get("learner/reward_mean", self.reward)
             self.staleness_mean = staleness_mean
@@ -138,6 +164,9 @@ class RunStats:
             point = (wall + self.wall_offset, self.samples)
             self.first_step_at = self.first_step_at or point
             self.last_step_at = point
+            if self.recent_steps and version <= self.recent_steps[-1][1]:
+                self.recent_steps.clear()  # the learners restarted from a checkpoint: a new pace
+            self.recent_steps.append((at, version))
         if "episodes/done" in record:
             done = int(record["episodes/done"])
             causes = {
@@ -186,6 +215,7 @@ class RunStats:
             "episodes": self.episodes,
             "episodes_failed": dict(sorted(self.failures.items())),
             "weights_sync_seconds": _quantiles(self.sync_seconds),
+            "staleness_histogram": {str(k): v for k, v in sorted(self.staleness_histogram.items())},
             "buffer": self.buffer,
             "restarts": self.restarts,
             "wall_seconds": time.time() - self.started,
@@ -229,8 +259,31 @@ def _quantiles(values: list[float]) -> dict | None:
     return {"median": pick(0.5), "p90": pick(0.9), "max": ordered[-1], "versions": len(ordered)}
 
 
+def eta_seconds(recent_steps, steps: int, now: float) -> float | None:
+    """Seconds until version ``steps``, at the pace of ``recent_steps`` ((wall clock, version) of the
+    last learner steps), counting down since the newest; None before two steps."""
+    if len(recent_steps) < 2:
+        return None
+    (t0, v0), (t1, v1) = recent_steps[0], recent_steps[-1]
+    if v1 <= v0 or t1 <= t0:
+        return None
+    return max(0.0, (steps - v1) * (t1 - t0) / (v1 - v0) - (now - t1))
+
+
+def format_eta(seconds: float | None) -> str:
+    """``ETA 42s``, ``ETA 3m05s``, ``ETA 2h07m``; ``ETA -`` when unknown."""
+    if seconds is None:
+        return "ETA -"
+    s = round(seconds)
+    if s < 60:
+        return f"ETA {s}s"
+    if s < 3600:
+        return f"ETA {s // 60}m{s % 60:02d}s"
+    return f"ETA {s // 3600}h{s % 3600 // 60:02d}m"
+
+
 class Progress:
-    """One live line: version, reward, staleness, samples/s. Silent without a console."""
+    """One live line: version, reward, staleness, samples/s, ETA. Silent without a console."""
 
     def __init__(self, console, steps: int):
         self.console = console
@@ -255,35 +308,23 @@ class Progress:
         return self
 
     def update(self, stats: RunStats) -> None:
-        if self._progress is None:
-            return
+        if self._progress is not None:
+            self._progress.update(self._task, completed=stats.version, info=self.info(stats, time.time()))
+
+    def info(self, stats: RunStats, now: float) -> str:
         reward = "-" if stats.reward is None else f"{stats.reward:.3f}"
         rate = stats.samples_per_s
+        eta = format_eta(eta_seconds(stats.recent_steps, self.steps, now))
         info = (
             f"reward {reward}  staleness {stats.staleness_mean:.2f} (max {stats.max_staleness_seen})  "
-            f"{'-' if rate is None else f'{rate:.0f}'} samples/s"
+            f"{'-' if rate is None else f'{rate:.0f}'} samples/s  {eta}"
         )
         if stats.fleet is not None:
             info += f"  {stats.fleet} generators"
         if stats.failures:
             info += f"  [red]failed {sum(stats.failures.values())}[/] ({_top(stats.failures)})"
-        self._progress.update(self._task, completed=stats.version, info=info)
+        return info
 
     def __exit__(self, *exc) -> None:
         if self._progress is not None:
             self._progress.stop()
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    """The JSON-object lines of ``path`` (none if it is missing; a torn last line is skipped)."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    records = []
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict):
-                records.append(record)
-    return records

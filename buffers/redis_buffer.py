@@ -65,11 +65,12 @@ _MAX_BLOCK_MS = 20_000
 _SOCKET_TIMEOUT_S = 30.0
 ADMISSION_RECORDS = 200_000  # about this many of the newest admissions are kept (a few MB)
 
-# KEYS: counters, once-token, admissions. ARGV: limit, ttl, records kept. Returns the new group's
-# sequence number, or -1 when refused; a retry with the same token returns the first answer without
-# counting again. ``live`` is base.live_groups, spelled in Lua from the same SLOT_TAKERS /
-# SLOT_RETURNERS tuples. Every admission is recorded (its sequence number, the groups holding a slot
-# after it, and the limit it was judged against), so a run's history can be checked afterwards.
+# KEYS: counters, once-token, admissions, held. ARGV: limit, ttl, records kept, producer ('' for
+# none: nobody holds the group). Returns the new group's sequence number, or -1 when refused; a retry
+# with the same token returns the first answer without counting again. ``live`` is
+# base.live_groups, spelled in Lua from the same SLOT_TAKERS / SLOT_RETURNERS tuples. Every admission
+# is recorded (its sequence number, the groups holding a slot after it, and the limit it was judged
+# against), so a run's history can be checked afterwards.
 _ADMIT = """
 local prev = redis.call('GET', KEYS[2])
 if prev then return tonumber(prev) end
@@ -82,6 +83,7 @@ local seq = -1
 if live < tonumber(ARGV[1]) then
   seq = tonumber(redis.call('HGET', KEYS[1], 'started')) or 0
   redis.call('HINCRBY', KEYS[1], 'started', 1)
+  if ARGV[4] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[4], 1) end
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'seq', seq, 'live', live + 1, 'limit', ARGV[1])
 end
 redis.call('SET', KEYS[2], seq, 'EX', ARGV[2])
@@ -91,21 +93,48 @@ return seq
     returners=", ".join(f"'{k}'" for k in SLOT_RETURNERS),
 )
 
-# KEYS: counters, once-token. ARGV: field, n, ttl. Adds n to a counter once per token.
-_INCR_ONCE = """
+# Lua: the producer ARGV[i] holds n fewer groups in KEYS[k] (never below none: a reaped one's were taken).
+_UNHOLD = """
+local function unhold(key, producer, n)
+  local left = (tonumber(redis.call('HGET', key, producer)) or 0) - n
+  if left > 0 then redis.call('HSET', key, producer, left) else redis.call('HDEL', key, producer) end
+end
+"""
+
+# KEYS: counters, once-token, held. ARGV: field, n, ttl, producer ('' for none). Adds n to a counter
+# once per token; the producer's n groups are no longer held.
+_INCR_ONCE = f"""{_UNHOLD}
 if redis.call('SET', KEYS[2], 1, 'NX', 'EX', ARGV[3]) then
   redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2])
+  if ARGV[4] ~= '' then unhold(KEYS[3], ARGV[4], tonumber(ARGV[2])) end
 end
 return 0
 """
 
-# KEYS: seen, traj, counters, unacked. ARGV: group id, seen window. Runs in one MULTI/EXEC right
-# after the XADD of the group, so the newest entry of traj is that XADD's: 1 if it stays (counted, and
-# its group id marked unacked: that is what tells it from a foreign entry), 0 if the id is a duplicate
+# KEYS: counters, held. ARGV: producer ('' for every producer). Counts the groups held as abandoned
+# and holds none; returns how many.
+_RELEASE_HELD = """
+local n = 0
+if ARGV[1] == '' then
+  local all = redis.call('HGETALL', KEYS[2])
+  for i = 2, #all, 2 do n = n + tonumber(all[i]) end
+  redis.call('DEL', KEYS[2])
+else
+  n = tonumber(redis.call('HGET', KEYS[2], ARGV[1])) or 0
+  redis.call('HDEL', KEYS[2], ARGV[1])
+end
+if n > 0 then redis.call('HINCRBY', KEYS[1], 'abandoned', n) end
+return n
+"""
+
+# KEYS: seen, traj, counters, unacked, held. ARGV: group id, seen window, producer. Runs in one
+# MULTI/EXEC right after the XADD of the group, so the newest entry of traj is that XADD's: 1 if it
+# stays (counted, its group id marked unacked: that is what tells it from a foreign entry, and no
+# longer held by its producer), 0 if the id is a duplicate
 # and the entry is deleted again (only then is the frame copied into Lua). Refuses before changing
 # anything if traj is not a stream (the XADD failed with WRONGTYPE). The seen set keeps the newest ids
 # only (scored by the pushed counter).
-_PUSH = """
+_PUSH = f"""{_UNHOLD}
 if redis.call('TYPE', KEYS[2]).ok ~= 'stream' then return redis.error_reply('ERR traj is not a stream') end
 local order = (tonumber(redis.call('HGET', KEYS[3], 'pushed')) or 0) + 1
 if redis.call('ZADD', KEYS[1], 'NX', order, ARGV[1]) == 0 then
@@ -116,6 +145,7 @@ if redis.call('ZADD', KEYS[1], 'NX', order, ARGV[1]) == 0 then
 end
 redis.call('HINCRBY', KEYS[3], 'pushed', 1)
 redis.call('HSET', KEYS[4], ARGV[1], 1)
+unhold(KEYS[5], ARGV[3], 1)
 local excess = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[2])
 if excess > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, excess - 1) end
 return 1
@@ -235,6 +265,7 @@ class RedisBuffer(Buffer):
         self._claim = self._r.register_script(_CLAIM)
         self._dead = self._r.register_script(_DEAD)
         self._incr_once = self._r.register_script(_INCR_ONCE)
+        self._release_held = self._r.register_script(_RELEASE_HELD)
         try:
             self._ensure_group()
         except redis.AuthenticationError as exc:
@@ -253,16 +284,21 @@ class RedisBuffer(Buffer):
     # ----- generators -------------------------------------------------------------------------
 
     def try_start_group(
-        self, serving_version: int, max_policy_lag: int, groups_per_step: int, token: str | None = None
+        self,
+        serving_version: int,
+        max_policy_lag: int,
+        groups_per_step: int,
+        token: str | None = None,
+        producer: str | None = None,
     ) -> int | None:
         limit = admission_limit(serving_version, max_policy_lag, groups_per_step)
-        seq = self._admit_once(token or new_token(), limit)
+        seq = self._admit_once(token or new_token(), limit, producer or "")
         return None if seq < 0 else seq
 
     @_retrying
-    def _admit_once(self, token: str, limit: int) -> int:
-        keys = [self.keys.counters, self.keys.once(token), self.keys.admissions]
-        return int(self._admit(keys=keys, args=[limit, IDEMPOTENCY_TTL_S, ADMISSION_RECORDS]))
+    def _admit_once(self, token: str, limit: int, producer: str) -> int:
+        keys = [self.keys.counters, self.keys.once(token), self.keys.admissions, self.keys.held]
+        return int(self._admit(keys=keys, args=[limit, IDEMPOTENCY_TTL_S, ADMISSION_RECORDS, producer]))
 
     def admissions(self, after: str = "-", count: int = 10_000) -> list[tuple[int, int, int]]:
         """The admission records (oldest first, up to ``count``): (sequence, live groups after, limit)."""
@@ -275,15 +311,21 @@ class RedisBuffer(Buffer):
         pipe.xadd(self.keys.traj, {"gid": group_id, "producer": producer, "frame": frame})
         # EVAL, not EVALSHA: after a server restart EVALSHA would fail with NOSCRIPT inside EXEC,
         # after the XADD had run. The script body costs ~1 KB per push next to a ~100 KB frame.
-        keys = (self.keys.seen, self.keys.traj, self.keys.counters, self.keys.unacked)
-        pipe.eval(_PUSH, len(keys), *keys, group_id, SEEN_WINDOW)
+        keys = (self.keys.seen, self.keys.traj, self.keys.counters, self.keys.unacked, self.keys.held)
+        pipe.eval(_PUSH, len(keys), *keys, group_id, SEEN_WINDOW, producer)
         return bool(pipe.execute()[1])
 
-    def release(self, n: int = 1, token: str | None = None, reason: str = "abandoned") -> None:
+    def release(
+        self, n: int = 1, token: str | None = None, reason: str = "abandoned", producer: str | None = None
+    ) -> None:
         check_release_reason(reason)
         check_count("n", n)
         if n:
-            self._count_once(reason, n, token or new_token())
+            self._count_once(reason, n, token or new_token(), producer or "")
+
+    @_retrying
+    def release_held(self, producer: str | None = None) -> int:
+        return int(self._release_held(keys=[self.keys.counters, self.keys.held], args=[producer or ""]))
 
     def record_replays(self, n: int, token: str | None = None) -> None:
         check_count("n", n)
@@ -291,9 +333,9 @@ class RedisBuffer(Buffer):
             self._count_once("replayed", n, token or new_token())
 
     @_retrying
-    def _count_once(self, field: str, n: int, token: str) -> None:
-        keys = [self.keys.counters, self.keys.once(token)]
-        self._incr_once(keys=keys, args=[field, n, IDEMPOTENCY_TTL_S])
+    def _count_once(self, field: str, n: int, token: str, producer: str = "") -> None:
+        keys = [self.keys.counters, self.keys.once(token), self.keys.held]
+        self._incr_once(keys=keys, args=[field, n, IDEMPOTENCY_TTL_S, producer])
 
     # ----- learner ranks ----------------------------------------------------------------------
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from asyncrl.errors import UserError
 
 if TYPE_CHECKING:
     import torch
 
-    from asyncrl.config import HfEngineConfig, ModelConfig, VllmEngineConfig
+    from asyncrl.config import GeneratorConfig, HfEngineConfig, ModelConfig, VllmEngineConfig
 
 
 @dataclasses.dataclass
@@ -33,11 +36,25 @@ class Completion:
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
+    """How one turn is sampled. With ``top_k``, ``top_p`` or ``min_p`` the behaviour log-probs are of the
+    truncated, renormalised distribution actually sampled (what both engines report)."""
+
     n: int
     temperature: float
     top_p: float
     max_new_tokens: int
     stop_token_ids: tuple[int, ...] = ()  # besides EOS: tokens that end a turn (a chat template's)
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    stop: tuple[str, ...] = ()  # strings that end a turn; the turn's last token completes one
+
+
+def turn_sampling(generator: GeneratorConfig, stop_token_ids: tuple[int, ...], greedy: bool = False) -> Sampling:
+    """The run's sampling for one turn (``greedy``: the evaluations', temperature 0, no truncation)."""
+    g = generator
+    if greedy:
+        return Sampling(1, 0.0, 1.0, g.max_new_tokens, stop_token_ids, stop=tuple(g.stop))
+    return Sampling(1, g.temperature, g.top_p, g.max_new_tokens, stop_token_ids, g.top_k, g.min_p, tuple(g.stop))
 
 
 @dataclasses.dataclass
@@ -51,12 +68,24 @@ class StepOutput:
     finish_reason: str = "length"  # "stop" | "length", when finished
 
 
-def context_length(model_path: str) -> int:
-    """The model's context in tokens (``max_position_embeddings``): a prompt plus its completion must
-    fit in it."""
+def context_length(model_path: str, max_model_len: int | None = None) -> int:
+    """The engines' context in tokens: ``max_model_len`` if given, else the model's
+    (``max_position_embeddings``); a prompt plus its completion must fit in it. Raises ``UserError`` for a
+    ``max_model_len`` beyond the model's."""
     from transformers import AutoConfig
 
-    return int(AutoConfig.from_pretrained(model_path).max_position_embeddings)
+    model = int(AutoConfig.from_pretrained(model_path).max_position_embeddings)
+    if max_model_len is None:
+        return model
+    if max_model_len > model:
+        raise UserError(f"generator.max_model_len={max_model_len} is more than the model's context of {model} tokens")
+    return max_model_len
+
+
+def stop_at(text: str, stop: Sequence[str]) -> int | None:
+    """The end of the earliest stop string in ``text``, or None."""
+    ends = [i + len(s) for s in stop if (i := text.find(s)) >= 0]
+    return min(ends) if ends else None
 
 
 def fits(prompt_len: int, max_new_tokens: int, max_model_len: int) -> bool:
@@ -79,6 +108,11 @@ class Engine(abc.ABC):
     def abort_requests(self, request_ids: list[str]) -> None:
         """Stop these requests (unknown or finished ids are ignored); they produce no more output."""
 
+    def score(self, ids: list[int]) -> list[float]:
+        """Log-probs of ``ids[1:]`` under the served weights at temperature 1 (the weight-sync probe,
+        ``asyncrl.probe``); called only between steps, with no request running."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a sequence")
+
     def bind_thread(self) -> None:  # noqa: B027 - optional hook
         """Called once on the thread that will run ``step`` (the scheduler's engine thread)."""
 
@@ -90,12 +124,19 @@ class Engine(abc.ABC):
         pass
 
 
-def setup(engine: VllmEngineConfig | HfEngineConfig, model: ModelConfig, max_num_seqs: int, seed: int) -> Engine:
-    """The engine ``engine.type`` names; ``max_num_seqs`` is the most sequences one call runs at once."""
+def setup(
+    engine: VllmEngineConfig | HfEngineConfig,
+    model: ModelConfig,
+    max_num_seqs: int,
+    seed: int,
+    max_model_len: int | None = None,
+) -> Engine:
+    """The engine ``engine.type`` names; ``max_num_seqs`` is the most sequences one call runs at once,
+    ``max_model_len`` the context (None: the model's)."""
     if engine.type == "vllm":
         from asyncrl.generators.vllm_engine import VllmEngine
 
-        return VllmEngine(engine, model, max_num_seqs, seed)
+        return VllmEngine(engine, model, max_num_seqs, seed, max_model_len=max_model_len)
     from asyncrl.generators.hf_engine import HfEngine
 
-    return HfEngine(model, seed)
+    return HfEngine(model, seed, max_model_len=max_model_len)

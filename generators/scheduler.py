@@ -6,7 +6,8 @@ the engine never waits on an environment while another episode has a turn to sam
 loop, between engine steps:
 
   1. weights - if the ``WeightFeed`` has a newer version (and no evaluation holds the weights), apply
-               it as ``generator.engine.on_weight_update`` says:
+               it as ``generator.engine.on_weight_update`` says (then score the feed's probe, with
+               no request in the engine: ``asyncrl.probe``):
                ``continue``: every running turn is aborted and added again with its prompt plus the
                tokens it has, under the new weights (a prefill rebuilds its KV cache); the tokens
                after the switch carry the new version and the new policy's log-probs;
@@ -167,8 +168,13 @@ class EnginePump:
         t0 = time.perf_counter()
         self._applying = True
         try:
-            await loop.run_in_executor(self._thread, self.engine.load_weights, update.tensors)
-            self.feed.applied(update, time.perf_counter() - t0)
+            tensors = self.feed.engine_tensors(update)
+            await loop.run_in_executor(self._thread, self.engine.load_weights, tensors)
+            seconds = time.perf_counter() - t0
+            probe = None
+            if self.feed.probe_ids:  # nothing runs in the engine now: the probe has it to itself
+                probe = await loop.run_in_executor(self._thread, self.engine.score, self.feed.probe_ids)
+            self.feed.applied(update, seconds, probe)
         finally:
             self._applying = False
         for turn in running:  # only continue | abort get here with running turns

@@ -13,6 +13,8 @@ change (``asyncrl.generators.scheduler``).
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,42 @@ from asyncrl.generators.engine import Engine, Sampling, StepOutput, context_leng
 
 if TYPE_CHECKING:
     from asyncrl.config import ModelConfig, VllmEngineConfig
+
+
+log = logging.getLogger("asyncrl.engine")
+
+
+class RotaryReloadNote:
+    """vLLM's in-place reload counts every tensor of a layer as a weight, the rotary embedding's
+    ``cos_sin_cache`` buffer too, which no checkpoint holds: at every reload it keeps the cache it has
+    (the right one: it depends on the config only) and warns "RotaryEmbedding: Failed to load weights".
+    Dropped here, explained once at debug level."""
+
+    MESSAGE = "RotaryEmbedding: Failed to load weights"
+
+    def __init__(self) -> None:
+        self.explained = False
+
+    def __call__(self, record: logging.LogRecord) -> bool:  # a logging filter: False drops the record
+        if record.getMessage() != self.MESSAGE:
+            return True
+        if not self.explained:
+            self.explained = True
+            log.debug("vLLM's reload keeps the rotary cos/sin cache (no checkpoint has one); its warning is dropped")
+        return False
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def _eager_on_cpu() -> None:
+    """No torch.compile in the calling thread on CPU. vLLM's sampler compiles one op with inductor on the
+    first engine call (the rank of each sampled token, which asyncrl never reads): 2-3 s of a core at every
+    generator start on CPU, where eager is as fast; the model runs eager anyway (``enforce_eager``). It is
+    TORCH_COMPILE_DISABLE=1, set per thread: torch keeps a config set at run time thread-local, and reads
+    the variable once, when something (transformers) imports torch._dynamo, before any engine exists."""
+    if not torch.cuda.is_available():
+        torch._dynamo.config.disable = True
 
 
 class WeightReloadExtension:
@@ -39,14 +77,22 @@ class VllmEngine(Engine):
         max_num_seqs: int,
         seed: int,
         extension: type[WeightReloadExtension] = WeightReloadExtension,
+        max_model_len: int | None = None,
     ):
         """``extension`` is mixed into vLLM's worker; vLLM imports it by module and name, so it must be
         a module-level class."""
+        if not any(isinstance(f, RotaryReloadNote) for f in logging.getLogger(RELOAD_LOGGER).filters):
+            logging.getLogger(RELOAD_LOGGER).addFilter(RotaryReloadNote())
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.kv_cache_gb))
         from vllm import LLM
 
-        self.max_model_len = context_length(model.path)
+        _eager_on_cpu()
+        log.info("vllm imported")  # start-up phases (scripts/bench/startup.py)
+        # vLLM collects garbage several times while it starts and freezes the heap when up: freezing it
+        # now, after the imports, spares those collections a walk over every imported object (~1 s)
+        gc.freeze()
+        self.max_model_len = context_length(model.path, max_model_len)
         self.llm = LLM(
             model=model.path,
             dtype=model.dtype,
@@ -59,12 +105,15 @@ class VllmEngine(Engine):
             worker_extension_cls=f"{extension.__module__}.{extension.__qualname__}",
             gpu_memory_utilization=0.3,
         )
+        self.stepped = False
+        log.info("vllm engine up")
 
     def bind_thread(self) -> None:
         # vLLM's CPU attention sizes its metadata with torch's thread count and runs with OpenMP's,
         # which a new thread takes from the environment: make the step thread's agree (else it aborts
         # "Check failed: thread_num" whenever something set torch's count, e.g. CPU pinning)
         torch.set_num_threads(torch.get_num_threads())
+        _eager_on_cpu()
 
     def add_request(self, request_id: str, prompt: list[int], sampling: Sampling) -> None:
         params = _params(sampling, sampling.max_new_tokens)
@@ -78,7 +127,25 @@ class VllmEngine(Engine):
             logprobs = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], tokens, strict=True)]
             reason = "stop" if c.finish_reason == "stop" else "length"
             outs.append(StepOutput(out.request_id, tokens, logprobs, out.finished, reason))
+        if not self.stepped:  # the first call warms up: a start-up phase (scripts/bench/startup.py)
+            self.stepped = True
+            log.info("first engine step done")
         return outs
+
+    def score(self, ids: list[int]) -> list[float]:
+        from vllm import SamplingParams
+
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("score() while requests are running: their outputs would be lost")
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        engine.add_request("probe", {"prompt_token_ids": list(ids)}, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:  # prompt_logprobs[0] is None (no context); 0: each token's own only
+                    steps = out.prompt_logprobs[1:]
+                    return [float(step[tok].logprob) for step, tok in zip(steps, ids[1:], strict=True)]
+        raise RuntimeError("the probe request ended without output")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -97,8 +164,12 @@ def _params(sampling: Sampling, max_tokens: int):
         n=1,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
         max_tokens=max_tokens,
         stop_token_ids=list(sampling.stop_token_ids) or None,
+        stop=list(sampling.stop) or None,
+        include_stop_str_in_output=True,  # the text is ours to decode: vLLM's is not used
         logprobs=0,  # the sampled token's log-prob only
         output_kind=RequestOutputKind.DELTA,  # driven step by step: each step's new tokens
     )

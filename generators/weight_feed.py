@@ -29,11 +29,24 @@ class WeightFeed:
         metrics,
         heartbeat: Callable[..., None],
         version: int = 0,
+        probe_ids: list[int] | None = None,
+        compare: Callable[[int, list[float]], float | None] | None = None,
+        aliases: dict[str, str] | None = None,
+        adapter: tuple[str, float] | None = None,
     ) -> None:
         """``metrics`` is a sink (``log(record)``); ``heartbeat(version=, checksum=)`` says which
-        weights this process serves now. ``version`` is the one loaded at start (the weights on disk)."""
+        weights this process serves now. ``version`` is the one loaded at start (the weights on disk).
+        ``probe_ids``: the sequence the engine scores after each apply (``asyncrl.probe``), and
+        ``compare(version, logprobs)`` its largest difference from the learner's (None: unknown).
+        ``aliases``: the model's tied names (``asyncrl.weights.ties``), put back into each version.
+        ``adapter``: (``model.path``, alpha / rank) of a LoRA run, whose versions are adapters merged into
+        the base weights read from that path (``asyncrl.weights.lora``)."""
         self.subscriber = subscriber
         self.version = version
+        self.probe_ids, self._compare = probe_ids, compare
+        self.aliases = aliases or {}
+        self.adapter = adapter
+        self._base: dict | None = None  # a LoRA run's base weights, read at the first adapter version
         self._metrics = metrics
         self._heartbeat = heartbeat
         self._rejected = 0  # the subscriber's rejection count last logged
@@ -48,18 +61,38 @@ class WeightFeed:
             return None
         return update
 
-    def applied(self, update: WeightUpdate, seconds: float) -> None:
-        """The engine serves ``update`` now; loading it took ``seconds``."""
+    def engine_tensors(self, update: WeightUpdate) -> dict:
+        """Every weight the engine loads for ``update``: its tensors with the tied names put back, or for
+        an adapter version the base weights with each adapted one merged."""
+        from asyncrl.weights.lora import base_state, is_adapter, merge
+        from asyncrl.weights.ties import retied
+
+        tensors = update.tensors
+        if is_adapter(tensors):
+            if self.adapter is None:
+                raise ValueError(f"version {update.version} is a LoRA adapter, and this run has no model.lora")
+            if self._base is None:
+                self._base = base_state(self.adapter[0])
+            tensors = {**self._base, **merge(self._base, tensors, self.adapter[1])}
+        return retied(tensors, self.aliases)
+
+    def applied(self, update: WeightUpdate, seconds: float, probe: list[float] | None = None) -> None:
+        """The engine serves ``update`` now; loading it took ``seconds``; ``probe``: the engine's
+        log-probs of ``probe_ids`` with it."""
         self.version = update.version
         self._heartbeat(version=self.version, checksum=update.checksum)
         now = time.time()
-        self._metrics.log(
-            {
-                "generator/version": self.version,
-                "weights/apply_seconds": seconds,
-                "weights/receive_to_apply_seconds": now - update.received_at,
-                "weights/published_at": update.published_at,
-                "weights/applied_at": now,
-                "weights/bytes": update.nbytes,
-            }
-        )
+        record = {
+            "generator/version": self.version,
+            "weights/apply_seconds": seconds,
+            "weights/receive_to_apply_seconds": now - update.received_at,
+            "weights/published_at": update.published_at,
+            "weights/applied_at": now,
+            "weights/bytes": update.nbytes,
+            "weights/checksum": update.checksum,  # the bytes applied: the publisher's, verified
+        }
+        if probe is not None and self._compare is not None:
+            diff = self._compare(self.version, probe)
+            if diff is not None:
+                record["weights/probe_logprob_diff"] = diff
+        self._metrics.log(record)

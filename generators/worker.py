@@ -24,9 +24,10 @@ Weights are applied by the pump between engine steps (``generator.engine.on_weig
 Group outcomes: pushed (every sample with its status), or, when an episode failed under
 ``episode.failure_policy: drop_group`` (or every episode failed), ``failed``: not pushed, its
 admission slot given back and counted. Slots of groups that never reach the buffer (too-long
-prompts, shutdown) are given back as ``abandoned``. The in-flight gauge the launcher reads to free a
-dead generator's slots is lowered before the push or release, so a crash in between leaks a slot but
-never frees one twice.
+prompts, shutdown) are given back as ``abandoned``. Every claim, push and release names this
+generator as the group's producer, so the buffer knows, in the same atomic step, which groups it
+holds: those of a generator killed at any instant are exactly what the launcher gives back
+(``Buffer.release_held``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -45,18 +47,19 @@ import zlib
 
 import numpy as np
 
-from asyncrl import buffers
+from asyncrl import buffers, probe
 from asyncrl.buffers.base import live_groups
 from asyncrl.chat import ChatTokens
 from asyncrl.config import Config, load_config
 from asyncrl.control import MEMBER_TTL_S, RunControl, connect
-from asyncrl.data import is_async, load_jsonl, prompt_for_sequence
+from asyncrl.data import is_async, load_jsonl, prompt_for_sequence, prompt_of
 from asyncrl.episodes import Context, Outcome, load_episode, run_episode
 from asyncrl.generators.accounting import EpisodeStats, FailureWindow
-from asyncrl.generators.engine import Engine, Sampling, fits
+from asyncrl.generators.engine import Engine, Sampling, fits, turn_sampling
 from asyncrl.generators.engine import setup as setup_engine
 from asyncrl.generators.scheduler import EnginePump
 from asyncrl.generators.weight_feed import WeightFeed
+from asyncrl.lifetime import NICE_WHEN_UP_ENV, lower_priority
 from asyncrl.metrics import RedisSink, setup_logging
 from asyncrl.protocol import Sample, TrajectoryGroup, encode_group
 from asyncrl.rewards import load_reward
@@ -69,6 +72,7 @@ log = logging.getLogger("asyncrl.generator")
 TICK_S = 0.2  # the loop's pace when nothing happens: heartbeats, admission after new weights
 POLICY_FAILURES = {"budget"}  # failures that are the policy's doing: an evaluation scores them 0
 REPORT_S = 2.0  # metrics interval: often enough for the progress line, rare enough for hundreds of episodes
+HUNG_AFTER_S = 0.5  # at the end, how long an episode thread may take to finish before it counts as hung
 
 
 class LeaseLost(RuntimeError):
@@ -106,15 +110,25 @@ class Generator:
         self.lease = control.join("generator", ident)  # a member of the fleet from here on
         self.fleet = 1  # live generators, as of the last tick (admission shares are sized by it)
         self.stopping = False  # SIGTERM: leave the run cleanly
-        self.feed = WeightFeed(subscriber, self.metrics, self.heartbeat, version=0)
-        self.pump = EnginePump(engine, self.feed, cfg.generator.engine.on_weight_update)
         ep = cfg.episode
         self.chat = ChatTokens(tokenizer, use_template=ep.chat_template, system_prompt=ep.system_prompt)
+        self.records = load_jsonl(cfg.data.train)
+        self.feed = WeightFeed(
+            subscriber,
+            self.metrics,
+            self.heartbeat,
+            version=0,
+            probe_ids=probe.probe_ids(self.chat, self.records[0]),
+            compare=lambda version, logprobs: probe.difference(control, version, logprobs),
+            aliases=json.loads(control.get_meta("tied") or "{}"),  # the learner's, before its first version
+            adapter=(cfg.model.path, cfg.model.lora.alpha / cfg.model.lora.rank) if cfg.model.lora else None,
+        )
+        self.pump = EnginePump(engine, self.feed, cfg.generator.engine.on_weight_update)
         self.episode, self.tools, self.parser = load_episode(ep)
         self.reward_fn = load_reward(cfg.data.reward, ep.reward_timeout_s)
-        self.records = load_jsonl(cfg.data.train)
+        self.eval_reward_fn = load_reward(cfg.data.eval_reward, ep.reward_timeout_s) if cfg.data.eval_reward else None
         eval_records = load_jsonl(cfg.data.eval)[: cfg.data.eval_size] if cfg.data.eval else []
-        encoded = [(r, self.chat.prompt_ids(r["prompt"])) for r in eval_records]
+        encoded = [(r, self.chat.prompt_ids(prompt_of(r))) for r in eval_records]
         self.eval_set = [(r, ids) for r, ids in encoded if self._fits(ids)]  # encoded once
         if len(self.eval_set) < len(eval_records):
             log.warning(
@@ -123,8 +137,7 @@ class Generator:
         self.due_evals = eval_versions(cfg.run.steps, cfg.run.eval_every) if cfg.generator.eval else set()
         g = cfg.generator
         stops = tuple(self.chat.stop_token_ids)
-        self.sampling = Sampling(1, g.temperature, g.top_p, g.max_new_tokens, stops)
-        self.greedy = Sampling(1, 0.0, 1.0, g.max_new_tokens, stops)
+        self.sampling, self.greedy = turn_sampling(g, stops), turn_sampling(g, stops, greedy=True)
         self.capacity = max(1, g.episodes_in_flight // g.n_samples)  # groups
         self.groups: set[asyncio.Task] = set()
         self.evaluating: asyncio.Task | None = None
@@ -133,6 +146,7 @@ class Generator:
         self.changed = asyncio.Event()
         self.logged_causes: set[str] = set()
         self.crashed: BaseException | None = None  # a group's or evaluation's infrastructure error
+        self.pushed = False  # any group yet (logged once)
 
     @property
     def version(self) -> int:
@@ -143,7 +157,9 @@ class Generator:
         return fits(len(prompt), self.cfg.generator.max_new_tokens, self.engine.max_model_len)
 
     # -- one episode, one group ------------------------------------------------------------------------
-    async def play(self, record: dict, prompt: list[int], seed: int, sampling: Sampling) -> tuple[Context, Outcome]:
+    async def play(
+        self, record: dict, prompt: list[int], seed: int, sampling: Sampling, reward=None
+    ) -> tuple[Context, Outcome]:
         ep = self.cfg.episode
         budget = self.engine.max_model_len - len(prompt)
         ctx = Context(
@@ -152,19 +168,20 @@ class Generator:
             prompt_ids=prompt,
             complete=lambda ids, n: self.pump.complete(ids, dataclasses.replace(sampling, max_new_tokens=n)),
             chat=self.chat,
+            stop=sampling.stop,
             budget=min(ep.max_tokens or budget, budget),
             max_new_tokens=sampling.max_new_tokens,
             cfg=ep,
             tools=self.tools,
             parser=self.parser,
-            reward=self.reward_fn,
+            reward=reward or self.reward_fn,
         )
         return ctx, await run_episode(self.episode, ctx, ep.episode_timeout_s)
 
     async def run_group(self, seq: int) -> None:
         epoch, idx = prompt_for_sequence(seq, len(self.records), self.cfg.run.seed)
         record = self.records[idx]
-        prompt = self.chat.prompt_ids(record["prompt"])
+        prompt = self.chat.prompt_ids(prompt_of(record))
         if not self._fits(prompt):  # never an engine error: skipped, counted, its slot given back
             self.stats.prompts_too_long += 1
             log.warning("a prompt leaves no room in the %d-token context: skipped", self.engine.max_model_len)
@@ -201,11 +218,13 @@ class Generator:
         )  # fmt: skip
 
     def _end_group(self, *, push: TrajectoryGroup | None = None, release: str | None = None) -> None:
-        self.control.set_inflight(self.ident, len(self.groups) - 1)  # first (see the module doc)
         if push is not None:
             self.buffer.push(push.id, encode_group(push), producer=self.ident)
+            if not self.pushed:  # a start-up phase (scripts/bench/startup.py)
+                self.pushed = True
+                log.info("generator %s pushed its first group", self.ident)
         else:
-            self.buffer.release(1, reason=release)
+            self.buffer.release(1, reason=release, producer=self.ident)
         self.changed.set()
 
     # -- phases ------------------------------------------------------------------------------------------
@@ -223,7 +242,7 @@ class Generator:
                 version, t0 = self.version, time.perf_counter()
                 played = await asyncio.gather(
                     *(
-                        self.play(r, ids, episode_seed(self.cfg.run.seed, -1, i), self.greedy)
+                        self.play(r, ids, episode_seed(self.cfg.run.seed, -1, i), self.greedy, self.eval_reward_fn)
                         for i, (r, ids) in enumerate(self.eval_set)
                     )
                 )
@@ -258,10 +277,9 @@ class Generator:
         share = claim_share(admission_limit(self.version, k, b) - live, self.fleet, room, b)
         claimed = 0
         while claimed < share:  # each claim is atomic; the share only spreads them
-            seq = self.buffer.try_start_group(self.version, k, b)
+            seq = self.buffer.try_start_group(self.version, k, b, producer=self.ident)
             if seq is None:
                 break
-            self.control.set_inflight(self.ident, len(self.groups) + 1)  # after the claim: a crash leaks
             task = asyncio.create_task(self.run_group(seq))
             self.groups.add(task)
             task.add_done_callback(self._task_done)
@@ -279,6 +297,8 @@ class Generator:
     def report(self) -> None:
         record = self.stats.record(self.cfg.generator.n_samples * len(self.groups), self.pump.take_idle_fraction())
         self.stats = EpisodeStats()
+        for fn in (self.reward_fn, self.eval_reward_fn):  # a reward model's throughput
+            record.update(getattr(fn, "metrics", dict)())
         self.metrics.log({"generator/version": self.version, **record})
 
     def heartbeat(self, **fields) -> None:
@@ -348,9 +368,7 @@ class Generator:
             task.cancel()
         await asyncio.gather(*unfinished, return_exceptions=True)
         if self.lease is not None:  # else the reaper took and gave back this generator's slots
-            self.control.set_inflight(self.ident, 0)
-            if unfinished:
-                self.buffer.release(len(unfinished), reason="abandoned")
+            self.buffer.release_held(self.ident)  # the unfinished groups'
         pump.cancel()
         await asyncio.gather(pump, return_exceptions=True)
         close = getattr(self.reward_fn, "close", None)  # a remote reward's connections
@@ -405,14 +423,17 @@ async def _serve(cfg: Config, ident: str, engine, buffer, control, tokenizer, su
 
 def serve(cfg: Config, ident: str, url: str, prefix: str, incarnation: int = 0) -> None:
     """Run generator ``ident`` of the run under ``prefix`` on the Redis server at ``url`` until the run
-    ends or SIGTERM; the weights come from the address the learner advertised there."""
+    ends or SIGTERM; the weights come from the address the learner advertised there. A clean end ends the
+    process too (``os._exit(0)``, see the end); an error is raised."""
     control = RunControl(connect(url), prefix)
     buffer = buffers.setup(cfg.buffer, url, prefix)
 
     from transformers import AutoTokenizer
 
     seed = zlib.crc32(f"{cfg.run.seed}/{ident}/{incarnation}".encode())
-    engine = setup_engine(cfg.generator.engine, cfg.model, max(64, cfg.generator.episodes_in_flight), seed)
+    g = cfg.generator
+    engine = setup_engine(g.engine, cfg.model, max(64, g.episodes_in_flight), seed, max_model_len=g.max_model_len)
+    lower_priority(int(os.environ.pop(NICE_WHEN_UP_ENV, "0")))  # started at full priority (asyncrl.lifetime.Child)
     address = control.wait_meta("weights_address", timeout_s=600)
     subscriber = setup_subscriber(cfg.weights, address, subscriber_id=f"generator-{ident}", secret=read_secret())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -428,13 +449,19 @@ def serve(cfg: Config, ident: str, url: str, prefix: str, incarnation: int = 0) 
         subscriber.close()
         buffer.close()
         engine.close()
+    # idle workers leave at once on the shutdown; one still in a call after this is hung past its timeout
+    deadline = time.monotonic() + HUNG_AFTER_S
+    for t in [t for t in threading.enumerate() if t.name.startswith("episode")]:
+        t.join(max(0.0, deadline - time.monotonic()))
     hung = [t for t in threading.enumerate() if t.name.startswith("episode") and t.is_alive()]
     if hung:  # a plain reward, tool or environment that never returned: the process must still end
         log.warning(
             "%d calls of episodes are still running (hung past their timeouts); exiting without them", len(hung)
         )
-        logging.shutdown()
-        os._exit(0)
+    # everything of the run's is closed: the process ends here, without vLLM's teardown at exit (it
+    # unfreezes the heap and collects it all: 1.5 s of a core), and without waiting for a hung call
+    logging.shutdown()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:

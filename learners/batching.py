@@ -5,19 +5,26 @@ Alignment convention (``pad_batch`` and ``sequence_logprobs``): position ``j`` o
 tensor describes the token at ``input_ids[:, j + 1]`` predicted from the prefix ``input_ids[:, :j+1]``.
 The losses themselves are composed from the registries in ``advantages``, ``policy_losses``, ``kl``
 and ``corrections`` by ``objective.step_loss``.
+
+Memory (``model_logprobs``): a model's sampled-token log-probs never materialise the (B, L, V) logits
+nor their log-softmax. The LM head runs on chunks of positions, each under ``torch.utils.checkpoint``,
+so backward keeps only the final hidden states and recomputes one chunk's logits at a time; the
+values and gradients are the whole-batch ones (``tests/test_learner_memory.py``).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from asyncrl.errors import UserError
 
-__all__ = ["lookup", "masked_mean", "pad_batch", "sequence_logprobs"]
+__all__ = ["lookup", "masked_mean", "model_logprobs", "pad_batch", "sequence_logprobs", "token_logprobs"]
 
 
 def lookup(registry: dict, kind: str, name: str) -> Callable:
@@ -36,20 +43,117 @@ def masked_mean(x: Tensor, mask: Tensor, count: float) -> float:
 # ----------------------------------------------------------------------------- token log-probs
 
 
-def sequence_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> Tensor:
-    """log softmax(logits[:, j] / temperature)[input_ids[:, j + 1]] for j < L-1. (B, L, V) -> (B, L-1).
+def token_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    """log softmax(logits / temperature)[targets]: (..., V), (...) -> (...).
 
     Computed in at least float32 (bf16 logits are upcast; float64 stays float64). The temperature must
     be the generator's sampling temperature, or pi and mu describe different distributions and the
-    importance weights are biased. Materialises one (B, L-1, V) float32 tensor: fine for small vocabs;
-    chunk over the batch for large ones.
+    importance weights are biased.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    logp = torch.log_softmax(logits[:, :-1].to(dtype) / temperature, dim=-1)
-    targets = input_ids[:, 1:].long().unsqueeze(-1)
-    return torch.gather(logp, dim=-1, index=targets).squeeze(-1)
+    logp = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    return torch.gather(logp, dim=-1, index=targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+def sequence_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> Tensor:
+    """log softmax(logits[:, j] / temperature)[input_ids[:, j + 1]] for j < L-1. (B, L, V) -> (B, L-1).
+
+    ``token_logprobs`` of whole-batch logits: materialises (B, L-1, V) float32 twice (tempered logits and
+    their log-softmax, kept for backward). A model's log-probs come from ``model_logprobs``, which does not.
+    """
+    return token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+
+
+# The LM head's chunk: about this many bytes of float32 logits at a time. Backward holds a few
+# chunk-sized buffers (the recomputed logits, their log-softmax, its gradient), so 32 MiB bounds the
+# transient near 130 MB whatever the vocabulary (SmolLM2's 49152: 170 positions a chunk); a smaller chunk
+# gains little memory (the (V, H) weight gradient, 113 MB there, is the floor) and costs calls.
+CHUNK_BYTES = 32 << 20
+
+# Model types whose causal-LM forward is exactly ``lm_head(get_decoder()(...).last_hidden_state)``
+# (transformers 5.x; checked in each modeling file). Others score through the full logits, as their
+# heads post-process them (Gemma 2/3 soft-capping, Cohere's logit_scale, Granite's logits_scaling, ...).
+PLAIN_HEAD_MODELS = frozenset(
+    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo", "olmo2", "smollm3"}
+)
+
+
+def model_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    temperature: float,
+    score_mask: Tensor | None = None,
+    chunk: int | None = None,
+    position_ids: Tensor | None = None,
+) -> Tensor:
+    """(B, L-1) log pi of ``input_ids[:, j + 1]`` given its prefix, from ``model``: an HF causal LM or a
+    DeepSpeed engine around one. Only positions in ``score_mask`` (B, L-1) are scored (default: every
+    position whose next token is not padding; the learner passes its response mask); the others are 0.
+
+    With a plain head (``PLAIN_HEAD_MODELS``), the decoder's final hidden states at the scored positions
+    go through the head ``chunk`` rows at a time (default: ``CHUNK_BYTES`` of logits), each chunk under
+    ``torch.utils.checkpoint`` when gradients are on. Both happen inside the model's own forward call
+    (a forward hook replaces its output), so a DeepSpeed engine sees the log-probs as the forward's
+    output -- its backward prologue runs before any parameter gradient -- and ZeRO-3 gathers the head's
+    weight as it does for any call of the head module. Other models go through their full logits.
+    ``position_ids`` (B, L): for left-padded batches (default: the model's own, 0..L-1).
+    """
+    hf = getattr(model, "module", model)  # a DeepSpeed engine's HF model
+    scored = attention_mask[:, 1:].bool() if score_mask is None else score_mask.bool()
+    decoder, head = _plain_head(hf)
+    positions = {} if position_ids is None else {"position_ids": position_ids}
+    if decoder is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, **positions).logits
+        return sequence_logprobs(logits, input_ids, temperature).masked_fill(~scored, 0.0)
+    if chunk is None:
+        chunk = max(1, CHUNK_BYTES // (4 * hf.config.vocab_size))
+    captured: list[Tensor] = []
+
+    def keep_hidden(_module, _args, output) -> None:
+        captured.append(output[0])  # last_hidden_state: what the head reads
+
+    def score(_module, _args, _output) -> Tensor:
+        hidden = captured.pop()[:, :-1][scored]  # (N, H)
+        logprobs = chunked_logprobs(head, hidden, input_ids[:, 1:][scored], temperature, chunk)
+        return logprobs.new_zeros(scored.shape).masked_scatter(scored, logprobs)
+
+    with decoder.register_forward_hook(keep_hidden), hf.register_forward_hook(score):
+        # logits_to_keep=1: the forward's own head call scores one position, and its output is replaced
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1, **positions)
+
+
+def chunked_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, chunk: int) -> Tensor:
+    """``token_logprobs(head(hidden), targets)`` for hidden (N, H), targets (N,), ``chunk`` rows at a time;
+    with gradients on, each chunk is recomputed in backward instead of keeping its logits."""
+
+    def one(h: Tensor, t: Tensor) -> Tensor:
+        return token_logprobs(head(h), t, temperature)
+
+    grad = torch.is_grad_enabled()
+    parts = [
+        checkpoint(one, h, t, use_reentrant=False) if grad else one(h, t)
+        for h, t in zip(hidden.split(chunk), targets.split(chunk), strict=True)
+    ]
+    return torch.cat(parts) if parts else hidden.new_zeros(0)
+
+
+def _plain_head(hf: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """(decoder, head) when ``hf``'s logits are exactly ``head(decoder(...)[0])``, else (None, None)."""
+    from asyncrl.learners.lora import base_model
+
+    inner = base_model(hf)  # a LoRA policy's HF model: peft's wrapper passes the keywords through
+    config = getattr(inner, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODELS:
+        return None, None
+    if "logits_to_keep" not in inspect.signature(inner.forward).parameters:
+        return None, None
+    decoder, head = inner.get_decoder(), inner.get_output_embeddings()
+    if not isinstance(decoder, nn.Module) or not isinstance(head, nn.Module):
+        return None, None
+    return decoder, head
 
 
 def pad_batch(sequences: Sequence[tuple], pad_id: int) -> dict[str, Tensor]:

@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -24,6 +25,17 @@ import torch.distributed as dist
 
 from asyncrl.config import LearnerConfig, ModelConfig
 from asyncrl.learners.checkpoint import read_committed, write_atomic, write_committed
+from asyncrl.learners.lora import adapter_state, base_model, merged_state, with_lora
+from asyncrl.learners.models import enable_activation_checkpointing
+from asyncrl.weights.ties import untied
+
+
+def hide_triton_without_cuda() -> None:
+    """Without CUDA, ``import triton`` fails in this process from now on. Triton is installed (vLLM's
+    structured output needs it) but compiles GPU kernels only; transformers' model imports reach torch's
+    dynamo, which imports it only to ask whether it is there: 96 MB of a CPU learner's resident memory."""
+    if not torch.cuda.is_available():
+        sys.modules.setdefault("triton", None)
 
 
 def init_distributed(backend: str) -> None:
@@ -86,8 +98,15 @@ def build_engine(learner: LearnerConfig, model_cfg: ModelConfig, steps: int, mod
 
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=getattr(torch, model_cfg.dtype))
+        if model_cfg.lora is not None:  # the policy trains an adapter only (learners.lora)
+            model = with_lora(model, model_cfg.lora)
+    if learner.activation_checkpointing:
+        enable_activation_checkpointing(model)
     lr = learner.lr if lr is None else lr
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=learner.weight_decay)
+    # fused: one kernel per tensor, no temporaries (the unfused CPU loop allocates two of the embedding's
+    # size for the second-moment denominator, 226 MB on SmolLM2-135M), and faster
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=learner.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(learner, steps))
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,  # we feed whole per-rank batches ourselves
@@ -98,21 +117,45 @@ def build_engine(learner: LearnerConfig, model_cfg: ModelConfig, steps: int, mod
         "fp16": {"enabled": model_cfg.dtype == "float16"},
         "steps_per_print": 10**9,
     }
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
-    )
+    # DeepSpeed's ZeRO set-up imports its Muon optimizer, whose kernels are torch.compile'd as the module
+    # loads: with inductor, the default backend, that import costs ~0.6 s more of a core per rank start, for
+    # functions an AdamW run never calls. Only while it runs: the default is put back after.
+    set_backend = getattr(torch.compiler, "set_default_backend", None)
+    if set_backend is not None:
+        set_backend("eager")
+    try:
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
+        )
+    finally:
+        if set_backend is not None:
+            set_backend(None)
+    if learner.zero_stage == 0 and dist.get_world_size() == 1:
+        # ZeRO 0 all-reduces every gradient through one flat copy of all of them (a 500M-element bucket:
+        # one more gradient's worth of memory at the end of backward); over one rank it is the identity
+        engine.enable_backward_allreduce = False
     return engine
 
 
 def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
-    """The complete HF state dict on rank 0 (None elsewhere). A collective under ZeRO-3."""
+    """A version's tensors on rank 0 (None elsewhere): the complete HF state dict, each tied tensor once
+    (under the first of its names, see ``asyncrl.weights.ties``), or a LoRA policy's adapter alone
+    (``learners.lora``). A collective under ZeRO-3."""
     import deepspeed
 
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=zero_stage == 3):
         if dist.get_rank() != 0:
             return None
-        return {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()}
+        if base_model(engine.module) is not engine.module:
+            return adapter_state(engine.module)
+        return {k: v.detach().to("cpu", copy=True) for k, v in untied(engine.module).items()}
+
+
+def commit_due(learner: LearnerConfig, version: int, steps: int) -> bool:
+    """Whether a checkpoint is committed after the step that made ``version`` (the last one always is)."""
+    every = learner.checkpoint_every
+    return every > 0 and version % every == 0 and version < steps
 
 
 CRITIC_TAG = "critic"  # a critic engine's files: <run>/checkpoint/version-<v>/critic/
@@ -155,12 +198,21 @@ def load_committed(engine, ckpt_dir: Path, critic=None) -> tuple[int, dict] | No
     return committed["version"], state
 
 
-def export_hf(engine, model_path: str, export: Path, state_dict: dict | None) -> None:
+def export_hf(engine, model_path: str, export: Path, state_dict: dict | None, lora=None) -> None:
     """On rank 0, an HF export of ``state_dict`` (with ``model_path``'s tokenizer) that transformers and
-    vLLM load."""
-    if dist.get_rank() == 0 and state_dict is not None:
-        from transformers import AutoTokenizer
+    vLLM load; for a LoRA policy (``lora``: its ``model.lora``) the merged model, and the adapter as peft
+    saves it in ``export/adapter``."""
+    import deepspeed
+    from transformers import AutoTokenizer
 
+    if lora is not None:
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+            if dist.get_rank() == 0:
+                base_model(engine.module).save_pretrained(export, state_dict=merged_state(engine.module, lora))
+                engine.module.save_pretrained(export / "adapter")
+    elif dist.get_rank() == 0 and state_dict is not None:
         engine.module.save_pretrained(export, state_dict=state_dict)
+    if dist.get_rank() == 0:
         AutoTokenizer.from_pretrained(model_path).save_pretrained(export)
     dist.barrier()

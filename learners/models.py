@@ -5,6 +5,10 @@
 * Critic (``preset.needs_critic``: GAE or V-trace): a value head on a copy of the base model, trained
   by its own DeepSpeed engine and optimizer. Checkpointed with the policy (``engine.save_checkpoint``),
   never published to generators.
+
+Memory: neither scores through the full (B, L, V) logits (``batching.model_logprobs``); with
+``learner.activation_checkpointing`` the policy and the critic's base recompute each decoder layer in
+backward (``enable_activation_checkpointing``) instead of keeping its activations.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from torch import Tensor, nn
 
 from asyncrl.config import LearnerConfig, ModelConfig
 
-__all__ = ["ValueModel", "build_critic", "load_reference", "reference_logprobs"]
+__all__ = ["ValueModel", "build_critic", "enable_activation_checkpointing", "load_reference", "reference_logprobs"]
 
 
 class ValueModel(nn.Module):
@@ -29,7 +33,7 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return self.head(hidden[:, :-1]).squeeze(-1).float()
 
 
@@ -54,7 +58,31 @@ def load_reference(model_cfg: ModelConfig, device) -> nn.Module:
 
 @torch.no_grad()
 def reference_logprobs(ref: nn.Module, batch: dict, temperature: float) -> Tensor:
-    from asyncrl.learners.batching import sequence_logprobs
+    from asyncrl.learners.batching import model_logprobs
 
-    logits = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return sequence_logprobs(logits, batch["input_ids"], temperature)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    return model_logprobs(ref, ids, mask, temperature, batch.get("response_mask"))  # 0 outside the response
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """HF gradient checkpointing (non-reentrant) of every decoder layer of the HF model in ``model``
+    (the policy, or a critic's base): backward recomputes a layer's activations from its input.
+
+    The model stays in eval mode, as the learner always runs it (no dropout: pi must be the
+    distribution the generators sampled); only the checkpointed layers are flagged as training, the
+    flag HF's checkpointing checks, so values and gradients are those without checkpointing.
+    """
+    from transformers import PreTrainedModel
+
+    from asyncrl.errors import UserError
+
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if hf is None or not hf.supports_gradient_checkpointing:
+        name = type(hf or model).__name__
+        raise UserError(f"{name} does not support gradient checkpointing; set learner.activation_checkpointing=false")
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in hf.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if not layers:
+        raise UserError(f"{type(hf).__name__} has no checkpointable layers; set learner.activation_checkpointing=false")
+    for layer in layers:
+        layer.training = True  # this module only (not .train(): its children stay in eval mode)

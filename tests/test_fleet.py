@@ -50,10 +50,11 @@ def test_a_member_is_live_while_it_renews_and_gone_at_once_when_it_leaves(run):
 
 
 def test_an_expired_lease_is_reaped_once_its_slots_taken_and_its_holder_told(run):
-    control, _ = run
+    control, buffer = run
     stalled = control.join("generator", "s", ttl_s=0.3)
     control.join("generator", "live", ttl_s=60)
-    control.set_inflight("s", 3)
+    for _ in range(3):
+        buffer.try_start_group(0, 1, 2, producer="s")
     wait_until(lambda: control.members("generator") == ["live"])
     assert control.reap("generator") == {"s": 3}
     assert control.reap("generator") == {}  # atomic: a second reaper takes nothing

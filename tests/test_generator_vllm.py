@@ -8,6 +8,7 @@ learner's forward pass with those weights (the prepacked linear layers are check
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -236,3 +237,92 @@ def test_a_multi_turn_episode_crossing_two_versions_under_continue(cfg, engine, 
         assert np.all(np.diff(s.model_versions) >= 0), "versions only move forward"
     worst = worst_logprob_diff(states, model_dir, groups)
     assert worst < 1e-4, f"vLLM vs learner log-prob max |diff| {worst}"
+
+
+def run_request(engine, prompt: list[int], sampling) -> tuple[list[int], list[float], str]:
+    """One request driven to its end through the engine's request interface."""
+    engine.add_request("req", prompt, sampling)
+    tokens, logprobs = [], []
+    while True:
+        for out in engine.step():
+            tokens += out.tokens
+            logprobs += out.logprobs
+            if out.finished:
+                return tokens, logprobs, out.finish_reason
+
+
+def test_the_probe_scores_what_the_learner_computes(engine, model_dir):
+    """``score`` (the weight-sync probe) gives the learner's log-probs of a sequence, at temperature 1."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.learners.worker import probe_logprobs
+
+    torch.manual_seed(11)
+    learner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    learner.load_state_dict({k: v + 0.05 * torch.randn_like(v) for k, v in learner.state_dict().items()})
+    engine.load_weights(learner.state_dict())
+    ids = list(range(3, 40))
+    assert engine.score(ids) == pytest.approx(probe_logprobs(learner, ids), abs=1e-4)
+
+
+def test_truncated_sampling_reports_the_truncated_distributions_logprobs(engine, model_dir):
+    """top_k, top_p and min_p: vLLM's behaviour log-probs are of the renormalised truncated
+    distribution, exactly what the transformers engine computes for the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.generators.engine import Sampling
+    from asyncrl.generators.hf_engine import processed_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    engine.load_weights(model.state_dict())
+    prompt = [1, 7, 12, 30, 9]
+    for top_k, top_p, min_p in [(5, 1.0, 0.0), (0, 0.7, 0.0), (0, 1.0, 0.2), (8, 0.9, 0.05)]:
+        sampling = Sampling(1, 0.8, top_p, 12, top_k=top_k, min_p=min_p)
+        tokens, logprobs, _ = run_request(engine, prompt, sampling)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        expected = processed_logprobs(logits, sampling).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        assert logprobs == pytest.approx(expected.tolist(), abs=1e-4), (top_k, top_p, min_p)
+        assert all(math.isfinite(x) for x in logprobs)
+
+
+def test_a_stop_string_ends_the_turn_with_its_token(engine, model_dir):
+    """Generation ends at the token that completes a stop string; the text the episode reads ends with it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.generators.engine import Sampling, stop_at
+
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict())
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tok.encode("sort:dcba=")
+    free, _, _ = run_request(engine, prompt, Sampling(1, 0.0, 1.0, 12))
+    text = tok.decode(free, skip_special_tokens=True)
+    assert len(text) >= 5, text
+    stop = text[2:4]
+    cut = next(n for n in range(1, len(free) + 1) if stop_at(tok.decode(free[:n], skip_special_tokens=True), [stop]))
+    tokens, _, reason = run_request(engine, prompt, Sampling(1, 0.0, 1.0, 12, stop=(stop,)))
+    assert tokens == free[:cut] and reason == "stop"
+
+
+def test_a_reload_does_not_warn_of_the_rotary_cache(engine, model_dir):
+    """vLLM warns "RotaryEmbedding: Failed to load weights" at every reload (its cos/sin cache is no
+    checkpoint's): harmless, and dropped at its logger; every other record of that logger passes."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.generators.vllm_engine import RELOAD_LOGGER, RotaryReloadNote
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger(RELOAD_LOGGER)
+    logger.addHandler(handler)
+    note = next(f for f in logger.filters if isinstance(f, RotaryReloadNote))
+    try:
+        engine.load_weights(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict())
+        assert note.explained  # vLLM did say it: the filter took it
+        logger.warning("another warning")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["another warning"]

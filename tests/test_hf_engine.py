@@ -36,3 +36,30 @@ def test_hf_engine_logprobs_match_the_learner(tmp_path):
     learner = sequence_logprobs(logits, batch["input_ids"], temperature=0.7)
     mask = batch["response_mask"].bool()
     assert torch.allclose(learner[mask], batch["behaviour_logprobs"][mask], atol=1e-5)
+
+
+def test_hf_engine_truncates_and_stops_as_asked(tmp_path):
+    """top_k / min_p: every sampled token is inside the truncated set, its log-prob renormalised over
+    it; a stop string ends a completion at the token that completes it."""
+    from asyncrl.generators.engine import stop_at
+    from asyncrl.generators.hf_engine import processed_logprobs
+
+    tok = build_tokenizer()
+    build_model(tok, seed=0).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    cfg = load_config(None, {"model.path": str(tmp_path), "model.recipe": None, "generator.engine.type": "hf"})
+    engine = HfEngine(cfg.model, seed=0)
+    logits = torch.randn(4, 50)
+    lp = processed_logprobs(logits, Sampling(1, 0.5, 1.0, 1, top_k=3))
+    assert torch.isfinite(lp).sum(-1).tolist() == [3] * 4 and torch.allclose(lp.exp().sum(-1), torch.ones(4))
+    lp = processed_logprobs(logits, Sampling(1, 1.0, 1.0, 1, min_p=0.3))
+    probs = torch.softmax(logits, -1)
+    assert torch.equal(torch.isfinite(lp), probs >= 0.3 * probs.amax(-1, keepdim=True))
+    prompt = tok.encode("sort:dcba=")
+    (free,) = engine.generate([prompt], Sampling(1, 0.0, 1.0, 10))[0]
+    text = tok.decode(free.tokens, skip_special_tokens=True)
+    stop = text[1:3]
+    (cut,) = engine.generate([prompt], Sampling(1, 0.0, 1.0, 10, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop" and free.tokens[: len(cut.tokens)] == cut.tokens
+    assert stop_at(tok.decode(cut.tokens, skip_special_tokens=True), [stop]) is not None
+    assert stop_at(tok.decode(cut.tokens[:-1], skip_special_tokens=True), [stop]) is None

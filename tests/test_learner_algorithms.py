@@ -7,13 +7,12 @@ invariance of the composed step in tests/test_loss_split.py.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import typing
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from gloo_ranks import run_on_ranks
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -199,37 +198,31 @@ def test_the_demo_config_is_exactly_the_earlier_grpo_with_token_tis():
 # ----------------------------------------------------------------------------- critic checkpoint
 
 
-def _critic_round_trip(rank: int, port: int, model_path: str, run_dir: str) -> None:
+def _critic_round_trip(rank: int, model_path: str, run_dir: str) -> None:
     import os
     from pathlib import Path
 
-    import torch.distributed as dist
+    os.environ.update(LOCAL_RANK="0")
+    from asyncrl.learners.engine import build_engine, load_committed, save_checkpoint
+    from asyncrl.learners.models import build_critic
 
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        from asyncrl.learners.engine import build_engine, load_committed, save_checkpoint
-        from asyncrl.learners.models import build_critic
-
-        cfg = load_config(None, {"model.path": model_path, "algorithm.name": "ppo", "learner.zero_stage": 0})
-        policy, critic = build_engine(cfg.learner, cfg.model, 10), build_critic(cfg.learner, cfg.model, 10, None)
-        ids = torch.tensor([[1, 5, 7, 9, 2]])
-        mask = torch.ones_like(ids)
-        values = critic(ids, mask)
-        assert values.shape == (1, 4)
-        critic.backward(((values - 1.0) ** 2).mean())
-        critic.step()  # the head moves off zero
-        saved = critic(ids, mask).detach()
-        save_checkpoint(policy, Path(run_dir), 3, {}, critic=critic)
-        fresh_policy, fresh_critic = (
-            build_engine(cfg.learner, cfg.model, 10),
-            build_critic(cfg.learner, cfg.model, 10, None),
-        )
-        assert not torch.allclose(fresh_critic(ids, mask), saved)
-        version, _ = load_committed(fresh_policy, Path(run_dir), critic=fresh_critic)
-        assert version == 3 and torch.allclose(fresh_critic(ids, mask), saved, atol=1e-6)
-    finally:
-        dist.destroy_process_group()
+    cfg = load_config(None, {"model.path": model_path, "algorithm.name": "ppo", "learner.zero_stage": 0})
+    policy, critic = build_engine(cfg.learner, cfg.model, 10), build_critic(cfg.learner, cfg.model, 10, None)
+    ids = torch.tensor([[1, 5, 7, 9, 2]])
+    mask = torch.ones_like(ids)
+    values = critic(ids, mask)
+    assert values.shape == (1, 4)
+    critic.backward(((values - 1.0) ** 2).mean())
+    critic.step()  # the head moves off zero
+    saved = critic(ids, mask).detach()
+    save_checkpoint(policy, Path(run_dir), 3, {}, critic=critic)
+    fresh_policy, fresh_critic = (
+        build_engine(cfg.learner, cfg.model, 10),
+        build_critic(cfg.learner, cfg.model, 10, None),
+    )
+    assert not torch.allclose(fresh_critic(ids, mask), saved)
+    version, _ = load_committed(fresh_policy, Path(run_dir), critic=fresh_critic)
+    assert version == 3 and torch.allclose(fresh_critic(ids, mask), saved, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -240,10 +233,7 @@ def test_the_critic_is_checkpointed_and_restored_with_the_policy(tmp_path):
     model = ROOT / ".cache/models/demo-sort"
     if not model.is_dir():
         pytest.skip("the demo model is built by the first demo launch (asyncrl prepare-demo)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_critic_round_trip, args=(port, str(model), str(tmp_path)), nprocs=1, join=True)
+    run_on_ranks(_critic_round_trip, 1, str(model), str(tmp_path))
 
 
 def test_presets_are_still_frozen_dataclasses():

@@ -9,13 +9,12 @@ aggregation (with a KL loss term against a reference model) and for every preset
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_on_ranks
 from torch import nn
 
 from asyncrl.learners.batching import pad_batch, sequence_logprobs
@@ -100,32 +99,22 @@ def cases() -> dict[str, Preset]:
     return out
 
 
-def _rank(rank: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        groups = make_groups()
-        for name, preset in cases().items():
-            full_grads, full_metrics = loss_and_grads(preset, groups, Reducer(), ranks=1)
-            grads, metrics = loss_and_grads(preset, [groups[i] for i in SPLIT[rank]], DistReducer(), ranks=2)
-            dist.all_reduce(grads)
-            grads /= 2  # DeepSpeed averages gradients over ranks
-            assert torch.allclose(grads, full_grads, rtol=0, atol=TOL), (name, (grads - full_grads).abs().max())
-            assert full_grads.abs().sum() > 0, name
-            assert metrics.keys() == full_metrics.keys(), name
-            for key, want in full_metrics.items():
-                assert abs(metrics[key] - want) < TOL, (name, key, metrics[key], want)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _split_rank(rank: int) -> None:
+    groups = make_groups()
+    for name, preset in cases().items():
+        full_grads, full_metrics = loss_and_grads(preset, groups, Reducer(), ranks=1)
+        grads, metrics = loss_and_grads(preset, [groups[i] for i in SPLIT[rank]], DistReducer(), ranks=2)
+        dist.all_reduce(grads)
+        grads /= 2  # DeepSpeed averages gradients over ranks
+        assert torch.allclose(grads, full_grads, rtol=0, atol=TOL), (name, (grads - full_grads).abs().max())
+        assert full_grads.abs().sum() > 0, name
+        assert metrics.keys() == full_metrics.keys(), name
+        for key, want in full_metrics.items():
+            assert abs(metrics[key] - want) < TOL, (name, key, metrics[key], want)
 
 
 def test_loss_gradient_and_metrics_are_the_same_on_one_rank_and_split_over_two():
-    mp.spawn(_rank, args=(_free_port(),), nprocs=2, join=True)
+    run_on_ranks(_split_rank, 2)
 
 
 def test_the_split_is_not_trivial():

@@ -14,13 +14,12 @@ over ranks as DeepSpeed does), so the mini-batch loop itself is what is tested:
 from __future__ import annotations
 
 import dataclasses
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_on_ranks
 from test_loss_split import MAX_LEN, TinyCritic, TinyLM, make_groups
 
 from asyncrl.config import load_config
@@ -188,32 +187,25 @@ SPLIT_PRESETS = {"grpo": GRPO, "ppo": PRESETS["ppo"], "reinforce_pp": PRESETS["r
 SHARES = ([0, 1], [2, 3])  # rank r's groups; its mini-batch k is its k-th group
 
 
-def _rank(rank: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        from asyncrl.learners.objective import DistReducer
+def _split_rank(rank: int) -> None:
+    from asyncrl.learners.objective import DistReducer
 
-        groups = make_groups()[:4]
-        for name, preset in SPLIT_PRESETS.items():
-            # one rank: mini-batch k = the union of the ranks' k-th mini-batches (groups 0, 2 then 1, 3)
-            full_out, full = train(preset, [groups[i] for i in (0, 2, 1, 3)], 2, lr=5.0, epochs=2)
-            out, split = train(preset, [groups[i] for i in SHARES[rank]], 2, 5.0, DistReducer(), world=2, epochs=2)
-            for a, b in [(full.policy, split.policy), (full.critic, split.critic)]:
-                if a is not None:
-                    assert len(b.grads) == 4
-                    diff = (a.params() - b.params()).abs().max()
-                    assert diff < TOL, (name, float(diff))
-            for key, want in full_out.metrics.items():
-                assert abs(out.metrics[key] - want) < TOL, (name, key, out.metrics[key], want)
-            assert full_out.metrics["learner/policy_clip_frac"] > 0, name
-            if preset.needs_critic:  # the value clip around V_old binds too
-                assert full_out.metrics["learner/value_clip_frac"] > 0, name
-    finally:
-        dist.destroy_process_group()
+    groups = make_groups()[:4]
+    for name, preset in SPLIT_PRESETS.items():
+        # one rank: mini-batch k = the union of the ranks' k-th mini-batches (groups 0, 2 then 1, 3)
+        full_out, full = train(preset, [groups[i] for i in (0, 2, 1, 3)], 2, lr=5.0, epochs=2)
+        out, split = train(preset, [groups[i] for i in SHARES[rank]], 2, 5.0, DistReducer(), world=2, epochs=2)
+        for a, b in [(full.policy, split.policy), (full.critic, split.critic)]:
+            if a is not None:
+                assert len(b.grads) == 4
+                diff = (a.params() - b.params()).abs().max()
+                assert diff < TOL, (name, float(diff))
+        for key, want in full_out.metrics.items():
+            assert abs(out.metrics[key] - want) < TOL, (name, key, out.metrics[key], want)
+        assert full_out.metrics["learner/policy_clip_frac"] > 0, name
+        if preset.needs_critic:  # the value clip around V_old binds too
+            assert full_out.metrics["learner/value_clip_frac"] > 0, name
 
 
 def test_minibatch_steps_are_the_same_on_one_rank_and_split_over_two():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port,), nprocs=2, join=True)
+    run_on_ranks(_split_rank, 2)

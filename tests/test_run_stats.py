@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from asyncrl.config import RunConfig
-from asyncrl.run_stats import RunStats
+from asyncrl.run_stats import Progress, RunStats, eta_seconds, format_eta
 
 
 def test_failures_fold_by_cause_and_the_summary_stays_valid_json(tmp_path):
@@ -21,3 +21,20 @@ def test_failures_fold_by_cause_and_the_summary_stays_valid_json(tmp_path):
     summary = json.loads((stats.write_summary(tmp_path, "completed"), tmp_path / "summary.json")[1].read_text())
     assert summary["episodes"] == 16 and summary["episodes_failed"] == {"env_timeout": 1, "reward_error": 3}
     assert summary["evals"] == {"0": None} and summary["initial_eval_reward"] is None
+
+
+def test_the_progress_line_shows_an_eta_from_the_recent_step_rate(tmp_path):
+    stats, progress = RunStats(RunConfig(steps=20), tmp_path), Progress(None, steps=20)
+    step = {"buffer/staleness_max": 0, "buffer/staleness_mean": 0.0, "buffer/dropped_stale": 0, "learner/samples": 8}
+    assert "ETA -" in progress.info(stats, now=100.0)  # no step yet
+    stats._fold({**step, "learner/version": 1, "learner/wall_seconds": 1.0, "time": 100.0}, None)
+    assert "ETA -" in progress.info(stats, now=101.0)  # one step: no rate yet
+    stats._fold({**step, "learner/version": 2, "learner/wall_seconds": 5.0, "time": 104.0}, None)
+    assert "ETA 1m12s" in progress.info(stats, now=104.0)  # 18 steps to go at 4 s a step
+    assert "ETA 1m02s" in progress.info(stats, now=114.0)  # counting down between steps
+    stats._fold({**step, "learner/version": 1, "learner/wall_seconds": 1.0, "time": 200.0}, None)
+    assert "ETA -" in progress.info(stats, now=200.0)  # learners restarted from a checkpoint: a new pace
+    assert eta_seconds([(0.0, 10), (30.0, 20)], 20, now=35.0) == 0.0  # done: never below zero
+    assert [format_eta(s) for s in (None, 0.4, 59.6, 61, 3600 * 2 + 7 * 60 + 1)] == [
+        "ETA -", "ETA 0s", "ETA 1m00s", "ETA 1m01s", "ETA 2h07m",
+    ]  # fmt: skip

@@ -63,13 +63,17 @@ class ScriptedFeed:
     def __init__(self, engine: CountingEngine, at: int, v: int = 1):
         self.engine, self.at, self.v = engine, at, v
         self.version = 0
+        self.probe_ids = None  # no probe
 
     def newer(self, timeout_ms: int = 0):
         if self.version < self.v and self.engine.steps >= self.at:
             return Update(self.v, {"v": self.v})
         return None
 
-    def applied(self, update, seconds):
+    def engine_tensors(self, update):
+        return update.tensors  # a full version, no tied names
+
+    def applied(self, update, seconds, probe=None):
         self.version = update.version
 
 

@@ -27,39 +27,51 @@ def latest_version(run_dir: Path) -> int:
     return max(versions, default=0)
 
 
-def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen) -> None:
+def run_tails(run_dir: Path, lines: int = 20) -> str:
+    """The end of every log of the run, for a failure message: what each process was doing."""
+    out = []
+    for path in sorted((run_dir / "logs").glob("*.log")) + sorted(run_dir.parent.glob("*.out")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {path.name}\n" + "\n".join(tail))
+    return "\n".join(out)
+
+
+def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen, run_dir: Path | None = None) -> None:
+    """Until ``predicate()``; a timeout's message ends with the tails of ``run_dir``'s logs."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert proc.poll() is None, f"launcher exited early ({proc.returncode}) while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        tails = run_tails(run_dir) if run_dir is not None else ""
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{tails}"
         time.sleep(0.5)
 
 
 def test_generator_restart_and_ctrl_c(tmp_path):
     pytest.importorskip("vllm")
-    run_dir = tmp_path / "sup"
-    proc = subprocess.Popen(
-        demo_launch_cmd(
-            tmp_path,
-            "sup",
-            "--generators",
-            "2",
-            "--learners",
-            "1",
-            "--max-policy-lag",
-            "0",
-            "--steps",
-            "10000",
-            "--set",
-            "run.eval_every=0",
-        ),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    run_dir, launcher_out = tmp_path / "sup", tmp_path / "launcher.out"
+    with launcher_out.open("w") as out_file:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            demo_launch_cmd(
+                tmp_path,
+                "sup",
+                "--generators",
+                "2",
+                "--learners",
+                "1",
+                "--max-policy-lag",
+                "0",
+                "--steps",
+                "10000",
+                "--set",
+                "run.eval_every=0",
+            ),
+            cwd=ROOT,
+            stdout=out_file,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     try:
-        wait_for(lambda: latest_version(run_dir) >= 3, 300, "version 3", proc)
+        wait_for(lambda: latest_version(run_dir) >= 3, 300, "version 3", proc, run_dir)
         info = json.loads((run_dir / "run.json").read_text())
         victim = info["pids"]["generator-0"]
         os.kill(victim, signal.SIGKILL)
@@ -68,15 +80,17 @@ def test_generator_restart_and_ctrl_c(tmp_path):
             60,
             "generator-0 restart",
             proc,
+            run_dir,
         )
         # synchronous mode keeps going only if the dead generator's admitted groups were released
         reached = latest_version(run_dir)
-        wait_for(lambda: latest_version(run_dir) >= reached + 5, 300, "progress after the restart", proc)
+        wait_for(lambda: latest_version(run_dir) >= reached + 5, 300, "progress after the restart", proc, run_dir)
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
+    out = launcher_out.read_text()
     assert proc.returncode == 130, out[-2000:]
     assert "Traceback" not in out
     info = json.loads((run_dir / "run.json").read_text())
@@ -112,7 +126,7 @@ def test_a_dead_learner_stops_the_run_with_a_clear_error(tmp_path):
         text=True,
     )
     try:
-        wait_for(lambda: latest_version(run_dir) >= 1, 300, "version 1", proc)
+        wait_for(lambda: latest_version(run_dir) >= 1, 300, "version 1", proc, run_dir)
         info = json.loads((run_dir / "run.json").read_text())
         os.kill(info["pids"]["learner-1"], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)

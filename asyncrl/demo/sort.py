@@ -49,15 +49,22 @@ def make_splits(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[
     return distinct_splits(make_record, n_train, n_eval, seed)
 
 
-def distinct_splits(make: Callable[[random.Random], dict], n_train: int, n_eval: int, seed: int):
-    """(train, eval) records drawn by ``make`` from one seeded stream, every prompt distinct, eval first."""
+def distinct_splits(
+    make: Callable[[random.Random], dict],
+    n_train: int,
+    n_eval: int,
+    seed: int,
+    key: Callable[[dict], str] = lambda record: record["prompt"],
+):
+    """(train, eval) records drawn by ``make`` from one seeded stream, every ``key`` (the prompt) distinct,
+    eval first."""
     rng = random.Random(seed)
     seen: set[str] = set()
     records: list[dict] = []
     while len(records) < n_eval + n_train:
         rec = make(rng)
-        if rec["prompt"] not in seen:
-            seen.add(rec["prompt"])
+        if key(rec) not in seen:
+            seen.add(key(rec))
             records.append(rec)
     return records[n_eval:], records[:n_eval]
 
@@ -79,3 +86,43 @@ def reward(prompt: str, completion: str, record: dict) -> float:
 
 def exact(completion: str, record: dict) -> bool:
     return completion == record["answer"]
+
+
+# ----------------------------------------------------------------------------- offline training data
+
+
+def sft_record(record: dict) -> dict:
+    """An ``asyncrl sft`` example: the prompt and its sorted answer (kept as ``answer`` for ``reward``)."""
+    return {"prompt": record["prompt"], "response": record["answer"], "answer": record["answer"]}
+
+
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """A wrong answer, never the answer itself: a near miss (the demo warm-up's bug, the smallest letter
+    dropped; two neighbours swapped; descending; another order) or a degenerate one that a policy
+    optimising a reward model finds when no pair showed it (one letter repeated to the length limit,
+    the answer run on past its end, a letter the prompt does not have)."""
+    kind = rng.randrange(7)
+    if kind == 0:
+        return answer[1:]
+    if kind == 1:
+        i = rng.randrange(len(answer) - 1)
+        return answer[:i] + answer[i + 1] + answer[i] + answer[i + 2 :]
+    if kind == 2:
+        return answer[::-1]
+    if kind == 4:
+        return rng.choice(answer) * rng.randint(2, 12)
+    if kind == 5:
+        return answer + "".join(rng.choice(answer) for _ in range(rng.randint(1, 6)))
+    if kind == 6:
+        i, outside = rng.randrange(len(answer)), [c for c in ALPHABET if c not in answer]
+        return answer[:i] + rng.choice(outside) + answer[i + 1 :]
+    letters = list(answer)
+    while "".join(letters) == answer:
+        rng.shuffle(letters)
+    return "".join(letters)
+
+
+def pair_record(record: dict, rng: random.Random) -> dict:
+    """An ``asyncrl rm`` / ``asyncrl dpo`` example: the sorted answer chosen over a near miss."""
+    answer = record["answer"]
+    return {"prompt": record["prompt"], "chosen": answer, "rejected": wrong_answer(answer, rng), "answer": answer}

@@ -32,6 +32,17 @@ every byte (and a relay writes it once more), shm ones do not. GB = 1e9 bytes.
     RESULT zmq_g1_over_memcpy <zmq time G=1 / memcpy time>
     RESULT zmq_g1_over_raw_zmq <zmq time G=1 / bare libzmq time for the same buckets>
     RESULT raw_zmq_over_memcpy <bare libzmq time / memcpy time: the floor under zmq_g1_over_memcpy>
+
+``--lora`` publishes, on the same model (``--lora-model``, default SmolLM2-135M's recipe directory), its
+full state dict and a rank ``--lora-rank`` adapter of it (``model.lora``'s default targets, B random) to
+G subscribers over zmq; each subscriber applies what it gets as a generator does: a full version copied
+into its tensors, an adapter merged into the base weights it read once from the model directory
+(``asyncrl.weights.lora.merge``) and every weight copied likewise (engines reload whole state dicts):
+
+    .venv/bin/python scripts/bench/weights.py --lora [--groups 1,8] [--lora-rank 8]
+    RESULT lora_bytes_ratio <adapter bytes / full bytes>
+    RESULT lora_sync_ratio <adapter version, publish to applied / full version, G = 1>
+    RESULT lora_sync_g8_ratio <the same for the last of 8 subscribers, with 8 in --groups>
 """
 
 from __future__ import annotations
@@ -65,6 +76,7 @@ from asyncrl.weights import (
     ZmqWeightPublisher,
     ZmqWeightSubscriber,
 )
+from asyncrl.weights.lora import base_state, is_adapter, merge
 from asyncrl.weights.wire import snapshot, tensor_digest
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -160,7 +172,7 @@ class RawZmqSubscriber:
 
 # --- subscriber processes ---------------------------------------------------------------------------
 def subscriber_main(index: int) -> None:
-    """Commands, one JSON list a line on stdin: ["sub", transport, address, verify, apply],
+    """Commands, one JSON list a line on stdin: ["sub", transport, address, verify, apply, adapter],
     ["unsub"], ["exit"]; each is answered [command, index] on stdout, and every version its poll
     returns is reported ["got", index, version, perf_counter]. The secret, if any, is in
     ``ASYNCRL_SECRET``."""
@@ -172,7 +184,7 @@ def subscriber_main(index: int) -> None:
     def say(*msg) -> None:
         print(json.dumps(msg), flush=True)
 
-    sub, apply, params = None, False, {}
+    sub, apply, params, base, scale = None, False, {}, None, 1.0
     while True:
         if sub is None or not commands.empty():
             cmd = commands.get(timeout=600)
@@ -182,7 +194,9 @@ def subscriber_main(index: int) -> None:
             if cmd[0] == "exit":
                 return
             if cmd[0] == "sub":
-                _, transport, address, verify, apply = cmd
+                _, transport, address, verify, apply, adapter = cmd
+                if adapter is not None and base is None:  # [model dir, scale]: versions are adapters
+                    base, scale = base_state(adapter[0]), adapter[1]
                 sub = make_subscriber(transport, address, index, verify, secret)
             say(cmd[0], index)
             continue
@@ -190,12 +204,20 @@ def subscriber_main(index: int) -> None:
         if update is None:
             continue
         if apply:
-            for name, t in update.tensors.items():
-                if name not in params:
-                    params[name] = torch.empty_like(t)
-                params[name].copy_(t)
+            apply_version(update.tensors, params, base, scale)
         say("got", index, update.version, time.perf_counter(), time.process_time())
         del update  # an shm version's file is reusable once no process maps it
+
+
+def apply_version(tensors: dict, params: dict, base: dict | None, scale: float) -> None:
+    """Copy a version into ``params`` (made at the first); an adapter is merged into ``base`` first, as a
+    generator applies one (asyncrl.weights.lora)."""
+    if is_adapter(tensors):
+        tensors = {**base, **merge(base, tensors, scale)}
+    for name, t in tensors.items():
+        if name not in params:
+            params[name] = torch.empty_like(t)
+        params[name].copy_(t)
 
 
 def make_subscriber(transport: str, address: str, index: int, verify: str, secret: str | None):
@@ -333,7 +355,7 @@ def run_case(subs: Subscribers, state: dict, transport: str, g: int, args, tmp: 
     """Median seconds from publish() to the last subscriber's poll, and the publisher's stats."""
     pub = make_publisher(transport, args, tmp, host)
     try:
-        subs.command(g, ["sub", transport, pub.address, args.shm_verify, args.apply])
+        subs.command(g, ["sub", transport, pub.address, args.shm_verify, args.apply, getattr(args, "adapter", None)])
         # Untimed warm-up: the first two versions create the shm files, or zmq's bucket arrays, that
         # later versions reuse, and let a relay chain form (steady state is what a training run sees).
         warmup = 2
@@ -404,11 +426,18 @@ def main() -> None:
     ap.add_argument("--shm-verify", choices=["structure", "full"], default="structure")
     ap.add_argument("--apply", action="store_true", help="subscribers copy each version into their own tensors")
     ap.add_argument("--smollm2", action="store_true", help="publish SmolLM2-135M's real state dict")
+    ap.add_argument("--lora", action="store_true", help="a LoRA adapter's versions against the full model's")
+    ap.add_argument("--lora-rank", type=int, default=8, help="--lora: the adapter's rank")
+    ap.add_argument("--lora-model", default=".cache/models/smollm2-135m-instruct", help="--lora: HF model directory")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         return subscriber_main(args.child)
     args.secret = new_secret() if args.secret else None
+    if args.lora:  # the harness is this module: its subscriber processes and run_case
+        from weights_lora import lora_main
+
+        return lora_main(args, sys.modules[__name__])
 
     t0, load = time.perf_counter(), os.getloadavg()  # other processes' load skews every figure
     state = (smollm2_state() if args.smollm2 else None) or synthetic_state(args.mb)

@@ -1,0 +1,71 @@
+"""The launcher's children, on real processes (fast: no Redis, no engine): how it reads their exits, and the
+allocator its learner ranks run on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from test_config import DEMO
+
+from asyncrl.config import load_config
+from asyncrl.errors import UserError
+from asyncrl.launch import Launcher
+from asyncrl.lifetime import JEMALLOC_CONF, Child, jemalloc_env
+
+
+def _exited(tmp_path, role: str, ident: int, code: str) -> Child:
+    """A child that has ended: with ``sys.exit(code)``, or killed by itself with SIGKILL (``"kill"``)."""
+    body = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)" if code == "kill" else f"raise SystemExit({code})"
+    child = Child(role, ident, [sys.executable, "-c", body], {}, tmp_path / f"{role}-{ident}.log")
+    child.start()
+    child.proc.wait()
+    return child
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_dead_learner_is_named_by_the_signal_that_killed_it_not_by_the_ranks_that_followed(tmp_path, killed):
+    """SIGKILL one rank and the other fails its collective with exit 1 before the launcher's next poll:
+    the error names the killed rank, whichever rank it was."""
+    cfg = load_config(DEMO, {"run.out_dir": str(tmp_path), "learner.max_restarts": 0})
+    launcher = Launcher(cfg)
+    launcher.children = [_exited(tmp_path, "learner", r, "kill" if r == killed else "1") for r in (0, 1)]
+    with pytest.raises(UserError, match=f"^learner-{killed} exited with code -9"):
+        launcher.check_children(control=None)
+
+
+def _maps_of_child(env: dict[str, str]) -> str:
+    code = "print(open('/proc/self/maps').read())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+
+
+def test_launched_learners_run_on_jemalloc_unless_told_not_to(tmp_path):
+    """scripts/setup.sh installs libjemalloc2; a learner's environment preloads it (after any LD_PRELOAD
+    of the user's), and the process really runs on it."""
+    base = {"PATH": "/usr/bin:/bin", "LD_PRELOAD": ""}
+    cfg = load_config(DEMO, {"run.out_dir": str(tmp_path)})
+    env = Launcher(cfg).learner_env(base)
+    assert env is not base and "jemalloc" in env["LD_PRELOAD"], "no libjemalloc.so.2: run scripts/setup.sh"
+    assert "jemalloc" in _maps_of_child(env)
+    assert "jemalloc" not in _maps_of_child(base)
+    assert jemalloc_env({"LD_PRELOAD": "/opt/mine.so"})["LD_PRELOAD"].startswith("/opt/mine.so ")
+    assert env["MALLOC_CONF"] == JEMALLOC_CONF  # jemalloc takes it: an unknown option is a warning on stderr
+    assert "<jemalloc>" not in subprocess.run(["true"], env=env, capture_output=True, text=True, check=True).stderr
+    bad = subprocess.run(["true"], env={**env, "MALLOC_CONF": "no_such:1"}, capture_output=True, text=True)
+    assert "<jemalloc>" in bad.stderr  # the check above can fail
+    assert jemalloc_env({"MALLOC_CONF": "narenas:1"})["MALLOC_CONF"] == "narenas:1"  # the user's wins
+    off = load_config(DEMO, {"run.out_dir": str(tmp_path), "learner.jemalloc": False})
+    assert Launcher(off).learner_env(base) is base
+
+
+def test_without_jemalloc_learners_keep_the_system_malloc_and_the_launcher_says_so(tmp_path, monkeypatch):
+    import ctypes.util
+
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    said = []
+    launcher = Launcher(load_config(DEMO, {"run.out_dir": str(tmp_path)}))
+    launcher.log = said.append
+    base = {"PATH": "/usr/bin:/bin"}
+    assert launcher.learner_env(base) is base
+    assert len(said) == 1 and "apt install libjemalloc2" in said[0]
