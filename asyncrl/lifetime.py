@@ -17,12 +17,15 @@ import ctypes
 import dataclasses
 import functools
 import gc
+import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from asyncrl.errors import UserError
 from asyncrl.status import pid_alive, read_run_info
@@ -92,6 +95,17 @@ def exit_soon() -> None:
     collection then walks every object the imports made (0.6 s of a core with torch and transformers
     loaded); frozen, they are skipped. Nothing made before this call is collected afterwards."""
     gc.freeze()
+
+
+def exit_after_collectives() -> NoReturn:
+    """End a rank whose work is done and whose process group is destroyed, skipping the interpreter's
+    finalisation: a gloo worker thread that drops its last finished work after the main thread moved on takes
+    the GIL to free the work's tensors, is ended by Py_Finalize's pthread_exit inside a noexcept destructor,
+    and the rank would die of SIGABRT ("terminate called without an active exception") after a good run."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @dataclasses.dataclass

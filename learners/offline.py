@@ -51,7 +51,7 @@ from asyncrl.learners.offline_losses import (
     response_logprobs,
     sft_loss,
 )
-from asyncrl.lifetime import exit_soon
+from asyncrl.lifetime import exit_after_collectives
 from asyncrl.metrics import JsonlSink, Sinks, TensorBoardSink, setup_logging
 from asyncrl.offline_config import OfflineConfig
 from asyncrl.offline_data import Example, load_examples
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         run(cfg, args.mode, cfg.run_dir)
     finally:
         dist.destroy_process_group()
-        exit_soon()
+    exit_after_collectives()  # reached only when the run ended well; an error above exits as usual
 
 
 if __name__ == "__main__":

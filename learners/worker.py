@@ -65,7 +65,7 @@ from asyncrl.learners.objective import (
     take_rows,
 )
 from asyncrl.learners.presets import Preset
-from asyncrl.lifetime import exit_soon
+from asyncrl.lifetime import exit_after_collectives
 from asyncrl.metrics import RedisSink, Timings, setup_logging
 from asyncrl.protocol import TrajectoryGroup
 from asyncrl.secret import read_secret
@@ -402,7 +402,7 @@ def serve(cfg: Config, url: str, prefix: str) -> None:
     finally:
         buffer.close()
         dist.destroy_process_group()
-        exit_soon()
+    exit_after_collectives()  # reached only when the run ended well; an error above exits as usual
 
 
 if __name__ == "__main__":

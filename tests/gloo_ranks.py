@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from collections.abc import Callable
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from asyncrl.learners.engine import init_distributed
+from asyncrl.lifetime import exit_after_collectives
 
 
 def _free_port() -> int:
@@ -27,13 +27,7 @@ def _rank(rank: int, port: int, world: int, fn: Callable[..., None], args: tuple
     fn(rank, *args)
     dist.barrier()  # neither rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
-    # Every check has passed. Skip the interpreter's finalisation: a gloo worker thread that drops its last
-    # finished work after the main thread moved on takes the GIL to free the work's tensors, is ended by
-    # Py_Finalize's pthread_exit inside a noexcept destructor, and the rank dies of SIGABRT ("terminate called
-    # without an active exception"; seen 1 run in 4 here, the core's thread 1 in ProcessGroupGloo::runLoop).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_after_collectives()  # every check has passed
 
 
 def run_on_ranks(fn: Callable[..., None], world: int, *args) -> None:
