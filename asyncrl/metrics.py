@@ -146,8 +146,10 @@ class Sinks:
     def close(self) -> None:
         self.primary.close()
         for sink in self.extras:
-            with contextlib.suppress(Exception):
+            try:
                 sink.close()
+            except Exception:  # the run is over and metrics.jsonl is whole: say so, do not fail the exit
+                logging.getLogger(__name__).exception("metrics sink %s failed to close", type(sink).__name__)
 
 
 def open_sinks(run, run_dir: Path, version: int = 0) -> Sinks:
