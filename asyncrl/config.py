@@ -13,6 +13,14 @@ import yaml
 from pydantic import Discriminator, Field, PrivateAttr, Tag, ValidationError, model_validator
 
 from asyncrl.errors import UserError
+from asyncrl.learners.pieces import (
+    AdvantageName,
+    AggregationName,
+    CorrectionName,
+    KlEstimatorName,
+    PolicyLossName,
+    PresetName,
+)
 from asyncrl.sections import EpisodeConfig, ModelConfig, RunConfig, Section
 
 _Section = Section
@@ -171,15 +179,6 @@ class LearnerConfig(_Section):
     )
 
 
-# The registries' keys (learners/{presets,advantages,policy_losses,corrections,kl}.py), spelled out so that
-# validating a config does not import torch; tests/test_learner_algorithms.py checks they match.
-PresetName = Literal["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "gspo"]
-AdvantageName = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
-PolicyLossName = Literal["ppo_clip", "gspo", "policy_gradient"]
-AggregationName = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-CorrectionName = Literal["none", "tis", "seq_tis", "icepop", "geo_mask", "decoupled_ppo", "vtrace"]
-
-
 class AlgorithmConfig(_Section):
     """A preset by name; every other field left unset (null) takes the preset's value (README table)."""
 
@@ -195,7 +194,7 @@ class AlgorithmConfig(_Section):
     kl_placement: Literal["none", "reward", "loss"] | None = Field(
         None, description="KL(pi || reference) folded into the token reward, added as a loss term, or off."
     )
-    kl_estimator: Literal["k1", "k2", "k3"] | None = Field(None, description="KL estimator (Schulman 2020).")
+    kl_estimator: KlEstimatorName | None = Field(None, description="KL estimator (Schulman 2020).")
     kl_coef: float | None = Field(None, ge=0, description="beta; 0 = no KL and no reference model.")
     clip_low: float | None = Field(None, ge=0, lt=1, description="PPO ratio clipped below at 1 - clip_low.")
     clip_high: float | None = Field(None, ge=0, description="PPO ratio clipped above at 1 + clip_high (clip-higher).")
@@ -240,7 +239,7 @@ class AlgorithmConfig(_Section):
     @model_validator(mode="after")
     def _resolve(self) -> AlgorithmConfig:
         # The learner builds exactly this preset: resolving it here makes --dry-run reject whatever a
-        # learner rank would (torch is imported only now, so importing the config stays cheap).
+        # learner rank would (presets and learners.pieces import no torch: reading a config stays cheap).
         from asyncrl.learners.presets import from_config
 
         try:

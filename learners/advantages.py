@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from asyncrl.learners.batching import lookup
+from asyncrl.learners.pieces import AdvantageConfig, lookup
 
 __all__ = [
     "ADVANTAGES",
@@ -85,21 +85,6 @@ class AdvantageInput:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape} like mask")
-
-
-@dataclass(frozen=True)
-class AdvantageConfig:
-    """Parameters shared by the estimators; each reads only the fields its formula has."""
-
-    gamma: float = 1.0  # discount per response token (1: outcome rewards reach every token unshrunk)
-    lam: float = 0.95  # GAE lambda: bias (0, one-step TD) vs variance (1, Monte Carlo)
-    eps: float = 1e-6  # added to a std before dividing (all-equal groups / batches give 0, not NaN)
-
-    def __post_init__(self) -> None:
-        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
-            raise ValueError(f"gamma and lam must lie in [0, 1], got {self.gamma}, {self.lam}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps}")
 
 
 @dataclass

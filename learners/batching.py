@@ -15,24 +15,14 @@ values and gradients are the whole-batch ones (``tests/test_learner_memory.py``)
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from asyncrl.errors import UserError
-
-__all__ = ["lookup", "masked_mean", "model_logprobs", "pad_batch", "sequence_logprobs", "token_logprobs"]
-
-
-def lookup(registry: dict, kind: str, name: str) -> Callable:
-    """``registry[name]``; a UserError naming the ``kind`` and listing the known names if absent."""
-    try:
-        return registry[name]
-    except KeyError:
-        raise UserError(f"unknown {kind} {name!r}; known: {', '.join(sorted(registry))}") from None
+__all__ = ["masked_mean", "model_logprobs", "pad_batch", "sequence_logprobs", "token_logprobs"]
 
 
 def masked_mean(x: Tensor, mask: Tensor, count: float) -> float:

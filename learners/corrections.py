@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from asyncrl.learners.batching import lookup, masked_mean
+from asyncrl.learners.batching import masked_mean
+from asyncrl.learners.pieces import CorrectionConfig, lookup
 
 __all__ = [
     "CORRECTIONS",
@@ -80,32 +81,6 @@ class CorrectionInput:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape} like logprobs")
         if self.bootstrap_value is not None and tuple(self.bootstrap_value.shape) != shape[:1]:
             raise ValueError(f"bootstrap_value must be (B,), got {tuple(self.bootstrap_value.shape)}")
-
-
-@dataclass(frozen=True)
-class CorrectionConfig:
-    """Parameters of every correction; each reads only its own fields."""
-
-    tis_cap: float = 2.0  # C of tis / decoupled_ppo: w = min(rho, C) bounds the variance
-    seq_tis_cap: float = 2.0  # C of seq_tis: w_i = min(prod_t rho_t, C)
-    icepop_low: float = 0.5  # icepop keeps tokens with rho in [low, high] (IcePop's alpha, beta)
-    icepop_high: float = 5.0
-    geo_low: float = 0.999  # geo_mask keeps sequences whose geometric-mean ratio is in [low, high];
-    geo_high: float = 1.001  # per-token mismatch is ~1e-3, so the band is that tight
-    rho_bar: float = 1.0  # V-trace: truncation of the policy-gradient / TD weights (the fixed point's policy)
-    c_bar: float = 1.0  # V-trace: truncation of the trace (contraction speed)
-    gamma: float = 1.0  # V-trace discount per response token
-
-    def __post_init__(self) -> None:
-        for name in ("tis_cap", "seq_tis_cap", "icepop_high", "geo_high", "rho_bar", "c_bar"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for band in ("icepop", "geo"):
-            low, high = getattr(self, f"{band}_low"), getattr(self, f"{band}_high")
-            if not 0 <= low <= high:
-                raise ValueError(f"need 0 <= {band}_low <= {band}_high, got {band}_low={low}, {band}_high={high}")
-        if not 0 <= self.gamma <= 1:
-            raise ValueError(f"gamma must lie in [0, 1], got {self.gamma}")
 
 
 @dataclass

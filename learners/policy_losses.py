@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from asyncrl.learners.batching import lookup, masked_mean
+from asyncrl.learners.batching import masked_mean
+from asyncrl.learners.pieces import PolicyLossConfig, lookup
 
 __all__ = [
     "AGGREGATIONS",
@@ -82,19 +83,6 @@ class PolicyLossInput:
         _check_like(shape, old_logprobs=self.old_logprobs, mask=self.mask, weights=self.weights)
         if tuple(self.advantages.shape) not in {shape, shape[:1]}:
             raise ValueError(f"advantages must be (B,) or (B, T) = {shape}, got {tuple(self.advantages.shape)}")
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    clip_low: float = 0.2  # eps_low: the ratio is clipped below at 1 - eps_low
-    clip_high: float = 0.2  # eps_high: clipped above at 1 + eps_high (DAPO clip-higher: 0.28)
-    dual_clip: float | None = None  # c > 1: caps the loss of A < 0 tokens at -c A (Ye et al. 2020); None = off
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"dual_clip c must be > 1, got {self.dual_clip}")
 
 
 @dataclass

@@ -11,13 +11,11 @@ unclipped RLOO relies on token TIS alone. ``required_inputs`` says what the lear
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import get_args
 
 from asyncrl.errors import UserError
-from asyncrl.learners.advantages import AdvantageConfig, get_advantage
-from asyncrl.learners.batching import lookup
-from asyncrl.learners.corrections import CorrectionConfig, get_correction
-from asyncrl.learners.kl import get_kl_estimator
-from asyncrl.learners.policy_losses import PolicyLossConfig, get_aggregation, get_policy_loss
+from asyncrl.learners import pieces
+from asyncrl.learners.pieces import AdvantageConfig, CorrectionConfig, PolicyLossConfig, lookup
 
 __all__ = ["KL_PLACEMENTS", "PRESETS", "Preset", "from_config", "get_preset"]
 
@@ -63,11 +61,14 @@ class Preset:
     correction_config: CorrectionConfig = field(default_factory=CorrectionConfig)
 
     def __post_init__(self) -> None:
-        get_advantage(self.advantage)
-        get_policy_loss(self.policy_loss)
-        get_aggregation(self.aggregation)
-        get_correction(self.correction)
-        get_kl_estimator(self.kl_estimator)
+        for kind, names, name in (  # the registries' names, spelled out in pieces: no torch here
+            ("advantage estimator", pieces.AdvantageName, self.advantage),
+            ("policy loss", pieces.PolicyLossName, self.policy_loss),
+            ("aggregation", pieces.AggregationName, self.aggregation),
+            ("correction", pieces.CorrectionName, self.correction),
+            ("KL estimator", pieces.KlEstimatorName, self.kl_estimator),
+        ):
+            lookup(dict.fromkeys(get_args(names)), kind, name)
         if self.kl_placement not in KL_PLACEMENTS:
             raise UserError(f"unknown KL placement {self.kl_placement!r}; known: {', '.join(KL_PLACEMENTS)}")
         if self.kl_coef < 0:
