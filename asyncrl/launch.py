@@ -372,7 +372,8 @@ class Launcher:
     # -- the run -----------------------------------------------------------------------------------
     def run(self) -> int:
         # the config the run uses (config.yaml, `meta config`): a GGUF model.path becomes its converted directory
-        self.cfg = cfg = preflight(self.cfg, self.redis_url, log=self.log)
+        self.cfg, prompts_checked = preflight(self.cfg, self.redis_url, log=self.log)
+        cfg = self.cfg
         config_path = self.prepare_run_dir()
         self.stats = RunStats(cfg.run, self.run_dir, resumed=self.resume is not None)
         self.remove_stale_weights()  # of any earlier run on this host whose learner was killed
@@ -418,6 +419,7 @@ class Launcher:
             if cfg.run.remote_learners:  # where `asyncrl learner` ranks meet the launcher's
                 control.set_meta(MASTER_FIELD, self.learner_master)
             self.write_run_info()
+            prompts_checked()  # a dataset that does not fit the model stops the run here, with its error
             reason, code = self.supervise(control)
         except KeyboardInterrupt:
             self.log("interrupted: stopping every process of the run")

@@ -1,6 +1,7 @@
-"""What ``asyncrl launch`` checks before it starts anything (``--dry-run`` runs the light part), and the
-one thing it may build first: the model, either a recipe's (the demo models, ``smollm2-135m-instruct``)
-at the recipe's own cache path only, or the HF directory of a ``.gguf`` named by ``model.path``.
+"""What ``asyncrl launch`` checks before it starts anything (``--dry-run`` runs the light part; a launch
+checks the prompts' lengths on a thread beside its start-up), and the one thing it may build first: the
+model, either a recipe's (the demo models, ``smollm2-135m-instruct``) at the recipe's own cache path
+only, or the HF directory of a ``.gguf`` named by ``model.path``.
 
 A GGUF is converted here, once for the whole run and before any child starts (``asyncrl.gguf_model``
 caches it by content). :func:`preflight` returns the config the run then uses, with ``model.path``
@@ -10,6 +11,9 @@ export all load the same directory and nothing else ever sees the GGUF."""
 
 from __future__ import annotations
 
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl import smollm2
@@ -19,8 +23,9 @@ from asyncrl.gguf_model import ensure_converted, is_gguf
 from asyncrl.sections import RECIPE_PATHS
 
 
-def preflight_light(cfg: Config, redis_url: str | None = None) -> None:
-    """Everything that can be checked without building or starting anything; raises UserError."""
+def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = True) -> None:
+    """Everything that can be checked without building or starting anything; raises UserError.
+    ``prompts``: also the prompts' lengths (seconds: it loads transformers and the tokenizer)."""
     from asyncrl.data import load_jsonl
     from asyncrl.episodes import load_episode
     from asyncrl.rewards import load_reward
@@ -33,7 +38,8 @@ def preflight_light(cfg: Config, redis_url: str | None = None) -> None:
     load_episode(cfg.episode)  # the episode function or Env, its tools and tool parser
     check_model_path(cfg.model)
     check_lora(cfg.model)
-    check_prompt_lengths(cfg)
+    if prompts:
+        check_prompt_lengths(cfg)
     check_host(cfg)
     from asyncrl.metrics import check_wandb
 
@@ -83,15 +89,36 @@ def external_redis_url(cfg: Config) -> str | None:
     return cfg.buffer.url if cfg.buffer.type == "redis" else None
 
 
-def preflight(cfg: Config, redis_url: str | None, log=print) -> Config:
-    """Every check, and the model built or converted if need be; returns the config the run uses
-    (``cfg``, or with ``model.path`` a GGUF's converted directory: see the module's doc)."""
-    built_here = not (Path(cfg.model.path) / "config.json").is_file()
-    preflight_light(cfg, redis_url)
+def preflight(cfg: Config, redis_url: str | None, log=print) -> tuple[Config, Callable[[], None]]:
+    """Every check but the prompts' lengths, and the model built or converted if need be. Returns the
+    config the run uses (``cfg``, or with ``model.path`` a GGUF's converted directory: see the module's
+    doc) and the wait for the prompt check, which runs on a thread meanwhile: it imports transformers
+    and tokenizes every prompt (about 4 s of a launch on 2 cores, now beside the start of redis and the
+    children); the wait raises its UserError, and a run that has started stops as any failed run."""
+    preflight_light(cfg, redis_url, prompts=False)
     cfg = ensure_model(cfg, log)
-    if built_here:  # the light checks could not look at the prompts yet
-        check_prompt_lengths(cfg)
-    return cfg
+    return cfg, in_background(check_prompt_lengths, cfg)
+
+
+def in_background(check: Callable[[Config], None], cfg: Config) -> Callable[[], None]:
+    """``check(cfg)`` on a daemon thread; the returned function waits for it and raises what it raised."""
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            check(cfg)
+        except BaseException as exc:  # handed to the waiter, who raises it in the launcher's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=target, name=check.__name__, daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if failed:
+            raise failed[0]
+
+    return wait
 
 
 def check_prompt_lengths(cfg: Config) -> None:
@@ -101,6 +128,9 @@ def check_prompt_lengths(cfg: Config) -> None:
     ``--dry-run`` checks only when the model is already there."""
     if not (Path(cfg.model.path) / "config.json").is_file():
         return
+    # transformers' import reaches torch's dynamo, which imports triton only to ask whether it is there; the
+    # launcher compiles no kernels, and triton would print a nanobind "leaked" dump when the launcher exits
+    sys.modules.setdefault("triton", None)
     from transformers import AutoTokenizer
 
     from asyncrl.chat import ChatTokens

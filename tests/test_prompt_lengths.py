@@ -17,6 +17,7 @@ from asyncrl.control import RunControl, connect
 from asyncrl.demo.model import MAX_POSITIONS
 from asyncrl.generators.hf_engine import HfEngine
 from asyncrl.keys import run_prefix
+from asyncrl.lifetime import live_processes
 from asyncrl.protocol import decode_group
 from asyncrl.weights import MemoryWeightBus
 
@@ -56,6 +57,26 @@ def test_prompts_that_fit_pass(tmp_path, model_dir):
         "--set", f"data.train={train}", "--dry-run",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.redis
+def test_a_launch_checks_the_prompts_beside_its_start_and_stops_with_the_same_error(tmp_path, model_dir):
+    """A real launch checks the lengths on a thread while redis and the children start: a dataset that does
+    not fit ends the run with the dry run's one-line error (a user error: exit 2), every process stopped, the
+    summary failed, and no nanobind dump from the launcher (it keeps triton out: it compiles nothing)."""
+    long = "sort:" + "a" * MAX_POSITIONS + "="
+    train = write_prompts(tmp_path / "train.jsonl", ["sort:cba=", "sort:ba=", long, long])
+    proc = asyncrl(
+        "launch", "--config", str(DEMO), "--name", "long", "--set", f"run.out_dir={tmp_path}",
+        "--set", f"model.path={model_dir}", "--set", "model.recipe=null", "--set", f"data.train={train}",
+        "--set", "generator.engine.type=hf", "--generators", "1", "--learners", "1",
+    )  # fmt: skip
+    assert proc.returncode == 2 and "leaked" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("asyncrl: error: ")]
+    assert len(errors) == 1 and "train.jsonl:3" in errors[0] and "1 more lines" in errors[0], proc.stderr[-3000:]
+    assert f"context of {MAX_POSITIONS} tokens" in errors[0]
+    assert json.loads((tmp_path / "long" / "summary.json").read_text())["exit_reason"] == "failed"
+    assert live_processes(tmp_path / "long") == {}
 
 
 @pytest.mark.redis

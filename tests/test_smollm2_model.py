@@ -190,7 +190,8 @@ def test_a_gguf_converts_once_and_the_run_uses_the_directory(in_tmp, monkeypatch
 
     source = write_tiny_gguf(in_tmp / "tiny.gguf")
     logs: list[str] = []
-    cfg = preflight(_gguf_config(in_tmp / "tiny.gguf"), None, log=logs.append)
+    cfg, prompts_checked = preflight(_gguf_config(in_tmp / "tiny.gguf"), None, log=logs.append)
+    prompts_checked()  # on the converted directory's tokenizer
     directory = Path(cfg.model.path)
     assert directory.parent == Path(".cache/models") and directory.name.startswith("gguf-tiny-")
     assert sum("converting" in line for line in logs) == 1
@@ -209,7 +210,8 @@ def test_a_gguf_converts_once_and_the_run_uses_the_directory(in_tmp, monkeypatch
         raise AssertionError("converted again")
 
     monkeypatch.setattr(gguf_model, "convert", no_second_conversion)
-    again = preflight(_gguf_config(in_tmp / "tiny.gguf"), None, log=logs.append)
+    again, prompts_checked = preflight(_gguf_config(in_tmp / "tiny.gguf"), None, log=logs.append)
+    prompts_checked()
     assert again.model.path == cfg.model.path and sum("converting" in line for line in logs) == 1
     assert sorted(p.name for p in Path(".cache/models").iterdir()) == [directory.name]  # no temp dirs left
 
