@@ -36,7 +36,7 @@ from asyncrl.fleet import MASTER_FIELD, engine_env, publish_run, wait_for_leaves
 from asyncrl.learners.checkpoint import read_committed
 from asyncrl.lifetime import Child, die_with, exit_soon, jemalloc_env, live_processes, signal_processes, stop_processes
 from asyncrl.net import interface_of, is_loopback
-from asyncrl.preflight import external_redis_url, preflight
+from asyncrl.preflight import check_prompt_lengths, external_redis_url, in_background, preflight
 from asyncrl.redis_server import free_loopback_port, url_address
 from asyncrl.resume import ResumePoint, reset_for_resume
 from asyncrl.run_stats import Progress, RunStats
@@ -68,6 +68,7 @@ class Launcher:
         self.redis = None
         self.run_info: dict = {}
         self.buffer = None
+        self.chores: list = []  # waits for the start-up's background checks (preflight.in_background)
         self.stats: RunStats | None = None
         self.secret = ""
         self.learner_master = ""  # host:port of the learners' rendezvous
@@ -372,11 +373,9 @@ class Launcher:
     # -- the run -----------------------------------------------------------------------------------
     def run(self) -> int:
         # the config the run uses (config.yaml, `meta config`): a GGUF model.path becomes its converted directory
-        self.cfg, prompts_checked = preflight(self.cfg, self.redis_url, log=self.log)
-        cfg = self.cfg
+        self.cfg = cfg = preflight(self.cfg, self.redis_url, log=self.log)
         config_path = self.prepare_run_dir()
         self.stats = RunStats(cfg.run, self.run_dir, resumed=self.resume is not None)
-        self.remove_stale_weights()  # of any earlier run on this host whose learner was killed
         control = None
         reason, code = "interrupted", 130
         previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -416,11 +415,15 @@ class Launcher:
                     f"asyncrl generator --redis {self.run_info['redis_address']}"
                 )
             self.spawn(config_path, url, prefix)
+            # beside the children's start-up, on threads: the prompts' lengths (transformers, the tokenizer) and the
+            # shared-memory weights of any earlier run on this host whose learner was killed (the weight bus: torch)
+            self.chores = [in_background(check_prompt_lengths, cfg), in_background(self.remove_stale_weights)]
             if cfg.run.remote_learners:  # where `asyncrl learner` ranks meet the launcher's
                 control.set_meta(MASTER_FIELD, self.learner_master)
             self.write_run_info()
-            prompts_checked()  # a dataset that does not fit the model stops the run here, with its error
             reason, code = self.supervise(control)
+            for chore in self.chores:
+                chore()  # a run shorter than the prompt check: its verdict still counts
         except KeyboardInterrupt:
             self.log("interrupted: stopping every process of the run")
         except UserError as exc:
@@ -457,6 +460,8 @@ class Launcher:
             evaluates = cfg.generator.eval and cfg.data.eval is not None  # else there is no final eval to wait for
             while True:
                 self.check_redis()  # first: every client of the run waits on it, the launcher too
+                for chore in self.chores:
+                    chore(0)  # a dataset that does not fit the model stops the run with its error
                 try:
                     self.stats.drain(control, on_eval=self.log, buffer=self.buffer)  # + the buffer's depth
                     self.watch_fleet(control)

@@ -1,5 +1,5 @@
 """What ``asyncrl launch`` checks before it starts anything (``--dry-run`` runs the light part; a launch
-checks the prompts' lengths on a thread beside its start-up), and the one thing it may build first: the
+checks the prompts' lengths on a thread beside the children's start), and the one thing it may build first: the
 model, either a recipe's (the demo models, ``smollm2-135m-instruct``) at the recipe's own cache path
 only, or the HF directory of a ``.gguf`` named by ``model.path``.
 
@@ -89,32 +89,31 @@ def external_redis_url(cfg: Config) -> str | None:
     return cfg.buffer.url if cfg.buffer.type == "redis" else None
 
 
-def preflight(cfg: Config, redis_url: str | None, log=print) -> tuple[Config, Callable[[], None]]:
-    """Every check but the prompts' lengths, and the model built or converted if need be. Returns the
-    config the run uses (``cfg``, or with ``model.path`` a GGUF's converted directory: see the module's
-    doc) and the wait for the prompt check, which runs on a thread meanwhile: it imports transformers
-    and tokenizes every prompt (about 4 s of a launch on 2 cores, now beside the start of redis and the
-    children); the wait raises its UserError, and a run that has started stops as any failed run."""
+def preflight(cfg: Config, redis_url: str | None, log=print) -> Config:
+    """Every check but the prompts' lengths (the launcher runs that one :func:`in_background`: it imports
+    transformers and tokenizes every prompt, about 4 s on 2 cores, better spent beside the children's
+    start), and the model built or converted if need be. Returns the config the run uses (``cfg``, or
+    with ``model.path`` a GGUF's converted directory: see the module's doc)."""
     preflight_light(cfg, redis_url, prompts=False)
-    cfg = ensure_model(cfg, log)
-    return cfg, in_background(check_prompt_lengths, cfg)
+    return ensure_model(cfg, log)
 
 
-def in_background(check: Callable[[Config], None], cfg: Config) -> Callable[[], None]:
-    """``check(cfg)`` on a daemon thread; the returned function waits for it and raises what it raised."""
+def in_background(chore: Callable[..., None], *args) -> Callable[..., None]:
+    """``chore(*args)`` on a daemon thread. The returned ``wait(timeout=None)`` waits for it (at most
+    ``timeout`` seconds) and, once it has ended, raises what it raised."""
     failed: list[BaseException] = []
 
     def target() -> None:
         try:
-            check(cfg)
-        except BaseException as exc:  # handed to the waiter, who raises it in the launcher's thread
+            chore(*args)
+        except BaseException as exc:  # handed to the waiter, who raises it in its own thread
             failed.append(exc)
 
-    thread = threading.Thread(target=target, name=check.__name__, daemon=True)
+    thread = threading.Thread(target=target, name=getattr(chore, "__name__", "chore"), daemon=True)
     thread.start()
 
-    def wait() -> None:
-        thread.join()
+    def wait(timeout: float | None = None) -> None:
+        thread.join(timeout)
         if failed:
             raise failed[0]
 

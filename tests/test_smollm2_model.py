@@ -23,7 +23,7 @@ from test_config import DEMO, ROOT, assert_one_line_error
 from asyncrl import gguf_model, smollm2
 from asyncrl.config import dump_config, load_config
 from asyncrl.errors import UserError
-from asyncrl.preflight import check_model_path, ensure_model, preflight
+from asyncrl.preflight import check_model_path, check_prompt_lengths, ensure_model, preflight
 
 gguf = pytest.importorskip("gguf")
 
@@ -190,8 +190,8 @@ def test_a_gguf_converts_once_and_the_run_uses_the_directory(in_tmp, monkeypatch
 
     source = write_tiny_gguf(in_tmp / "tiny.gguf")
     logs: list[str] = []
-    cfg, prompts_checked = preflight(_gguf_config(in_tmp / "tiny.gguf"), None, log=logs.append)
-    prompts_checked()  # on the converted directory's tokenizer
+    cfg = preflight(_gguf_config(in_tmp / "tiny.gguf"), None, log=logs.append)
+    check_prompt_lengths(cfg)  # on the converted directory's tokenizer
     directory = Path(cfg.model.path)
     assert directory.parent == Path(".cache/models") and directory.name.startswith("gguf-tiny-")
     assert sum("converting" in line for line in logs) == 1
@@ -210,8 +210,7 @@ def test_a_gguf_converts_once_and_the_run_uses_the_directory(in_tmp, monkeypatch
         raise AssertionError("converted again")
 
     monkeypatch.setattr(gguf_model, "convert", no_second_conversion)
-    again, prompts_checked = preflight(_gguf_config(in_tmp / "tiny.gguf"), None, log=logs.append)
-    prompts_checked()
+    again = preflight(_gguf_config(in_tmp / "tiny.gguf"), None, log=logs.append)
     assert again.model.path == cfg.model.path and sum("converting" in line for line in logs) == 1
     assert sorted(p.name for p in Path(".cache/models").iterdir()) == [directory.name]  # no temp dirs left
 
