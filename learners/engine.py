@@ -26,7 +26,7 @@ import torch.distributed as dist
 from asyncrl.config import LearnerConfig, ModelConfig
 from asyncrl.learners.checkpoint import read_committed, write_atomic, write_committed
 from asyncrl.learners.lora import adapter_state, base_model, merged_state, with_lora
-from asyncrl.learners.models import enable_activation_checkpointing
+from asyncrl.learners.models import accumulate_tied_lookup_in_place, enable_activation_checkpointing
 from asyncrl.weights.ties import untied
 
 
@@ -102,6 +102,8 @@ def build_engine(learner: LearnerConfig, model_cfg: ModelConfig, steps: int, mod
             model = with_lora(model, model_cfg.lora)
     if learner.activation_checkpointing:
         enable_activation_checkpointing(model)
+    if learner.zero_stage == 0 and model_cfg.dtype == "float32":
+        accumulate_tied_lookup_in_place(model)  # no gradient hooks there (see its doc)
     lr = learner.lr if lr is None else lr
     # fused: one kernel per tensor, no temporaries (the unfused CPU loop allocates two of the embedding's
     # size for the second-moment denominator, 226 MB on SmolLM2-135M), and faster

@@ -9,7 +9,7 @@ import torch
 
 from asyncrl.errors import UserError
 from asyncrl.learners.batching import model_logprobs, pad_batch, sequence_logprobs
-from asyncrl.learners.models import enable_activation_checkpointing
+from asyncrl.learners.models import accumulate_tied_lookup_in_place, enable_activation_checkpointing
 
 VOCAB = 97
 TEMPERATURE = 0.7
@@ -135,3 +135,66 @@ print(sys.modules.get("triton", "absent"), t.has_triton_package())
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["None", "False"]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_tied_lookup_added_in_place_keeps_values_and_gradients(checkpointing):
+    """``accumulate_tied_lookup_in_place``: the same log-probs, and the same gradients over two backward
+    passes (mini-batches accumulate); the padding row (pad_id 0 is the model's padding_idx) gets none."""
+    batch = ragged_batch()
+    args = (batch["input_ids"], batch["attention_mask"], TEMPERATURE, batch["response_mask"])
+    plain = llama(tie=True)
+    expected = model_logprobs(plain, *args)
+    expected_grads = grads_of(plain, expected)
+    model = llama(tie=True)
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    assert accumulate_tied_lookup_in_place(model)
+    got = model_logprobs(model, *args)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    got_grads = grads_of(model, got)
+    assert got_grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    weight = model.get_input_embeddings().weight
+    (model_logprobs(model, *args) * torch.linspace(-1.0, 2.0, got.shape[-1])).sum().backward()  # a second one
+    torch.testing.assert_close(weight.grad, 2 * expected_grads["model.embed_tokens.weight"], rtol=1e-5, atol=1e-7)
+    with torch.no_grad():  # scoring without gradients takes the plain lookup
+        torch.testing.assert_close(model_logprobs(model, *args), expected.detach(), rtol=0, atol=0)
+    assert not accumulate_tied_lookup_in_place(llama(tie=False))  # nothing shared: nothing to change
+
+
+def _tied_rank(rank: int) -> None:
+    """Rank ``rank`` of 2 scores its own row of the ragged batch through a ZeRO 0 float32 engine (which
+    adds the tied lookup's gradient in place); the gradients after DeepSpeed's all-reduce must be the mean
+    of both rows' gradients in a plain model."""
+    import os
+
+    os.environ.update(LOCAL_RANK="0")
+    from asyncrl.config import load_config
+    from asyncrl.learners.engine import build_engine
+
+    cfg = load_config(None, {"learner.zero_stage": 0, "model.dtype": "float32"})
+    batch = ragged_batch()
+
+    def loss_of(model, row: int) -> torch.Tensor:
+        rows = {k: v[row : row + 1] for k, v in batch.items()}
+        lp = model_logprobs(model, rows["input_ids"], rows["attention_mask"], TEMPERATURE, rows["response_mask"])
+        return (lp * torch.linspace(-1.0, 2.0, lp.shape[-1])).sum()
+
+    engine = build_engine(cfg.learner, cfg.model, 10, model=llama(tie=True))
+    assert "forward" in vars(engine.module.get_input_embeddings())  # the in-place lookup is on
+    engine.backward(loss_of(engine.module, rank))
+    plain = llama(tie=True)
+    (0.5 * (loss_of(plain, 0) + loss_of(plain, 1))).backward()
+    got = dict(engine.module.named_parameters())
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+def test_the_tied_lookup_in_place_survives_deepspeeds_all_reduce_over_two_ranks():
+    pytest.importorskip("deepspeed")
+    from gloo_ranks import run_on_ranks
+
+    run_on_ranks(_tied_rank, 2)
