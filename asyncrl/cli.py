@@ -81,6 +81,10 @@ def resolve_config(args):
 def cmd_launch(args) -> int:
     from rich.console import Console
 
+    # The launcher compiles no kernels. transformers' import (the prompt check) reaches torch's dynamo, which
+    # imports triton only to ask whether it is there, and triton prints a nanobind "leaked" dump at exit.
+    sys.modules.setdefault("triton", None)
+
     from asyncrl.config import dump_config
 
     console = Console(stderr=True)

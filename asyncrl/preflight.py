@@ -1,7 +1,7 @@
-"""What ``asyncrl launch`` checks before it starts anything (``--dry-run`` runs the light part; a launch
-checks the prompts' lengths on a thread beside the children's start), and the one thing it may build first: the
-model, either a recipe's (the demo models, ``smollm2-135m-instruct``) at the recipe's own cache path
-only, or the HF directory of a ``.gguf`` named by ``model.path``.
+"""What ``asyncrl launch`` checks before it starts anything (``--dry-run`` runs the light part; a
+launch checks the prompts' lengths on a thread beside the children's start), and the one thing it may
+build first: the model, either a recipe's (the demo models, ``smollm2-135m-instruct``) at the recipe's
+own cache path only, or the HF directory of a ``.gguf`` named by ``model.path``.
 
 A GGUF is converted here, once for the whole run and before any child starts (``asyncrl.gguf_model``
 caches it by content). :func:`preflight` returns the config the run then uses, with ``model.path``
@@ -11,7 +11,6 @@ export all load the same directory and nothing else ever sees the GGUF."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -127,9 +126,6 @@ def check_prompt_lengths(cfg: Config) -> None:
     ``--dry-run`` checks only when the model is already there."""
     if not (Path(cfg.model.path) / "config.json").is_file():
         return
-    # transformers' import reaches torch's dynamo, which imports triton only to ask whether it is there; the
-    # launcher compiles no kernels, and triton would print a nanobind "leaked" dump when the launcher exits
-    sys.modules.setdefault("triton", None)
     from transformers import AutoTokenizer
 
     from asyncrl.chat import ChatTokens
