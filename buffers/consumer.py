@@ -147,6 +147,12 @@ class BatchConsumer:
         self.totals["replays"] += len(replays)
         return Batch(items, len(replays), counts)
 
+    def give_back(self, batch: Batch) -> None:
+        """A taken batch that no step will use (the run stops while another rank waits): held again,
+        as a stop during :meth:`take` leaves what it had taken."""
+        self.fresh = [h for h in batch.items if h.uses == 0] + self.fresh
+        self.pool.update((h.entry_id, h) for h in batch.items if h.uses > 0)
+
     def _add_totals(self, counts: dict[str, int]) -> None:
         for key, n in counts.items():
             self.totals[key] += n

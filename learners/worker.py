@@ -14,6 +14,10 @@ All ranks step in lockstep (the gradient all-reduce is a barrier). Each step, at
                 the groups it trained are acknowledged in the buffer (the step's metrics record goes
                 out before it, so every committed version is in the history a resumed run continues)
 
+A stop (the launcher's, e.g. on Ctrl-C) is seen while collecting: every rank stops at the same version
+(``take_unless_stopping``) and commits a checkpoint of what it trained since the last one, so a resumed
+run goes on from there instead of redoing those steps.
+
 On start a rank restores the committed checkpoint if there is one (a restart after a crash) and
 takes back the entries it had pending, judged again at the restored version.
 """
@@ -27,6 +31,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -304,10 +309,13 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
     log.info("rank %d ready at version %d", rank, start)  # a start-up phase (scripts/bench/startup.py)
     t_start = time.time()
     timings = Timings()
+    committed = start  # the version of the last committed checkpoint (or commit without one)
     for version in range(start, cfg.run.steps):
         timings.reset()
-        # 1. collect
-        batch = consumer.take(need, version, cfg.buffer.block_ms, stop=control.stop_requested)
+        # 1. collect; a stop (Ctrl-C) commits what was trained since the last checkpoint
+        batch = take_unless_stopping(consumer, need, version, cfg.buffer.block_ms, control, reducer)
+        if batch is None:
+            stop_at(cfg, models, consumer, version, committed)
         groups = batch.groups
         stale = [staleness(version, g.version) for g in groups]
         timings.time("collect")
@@ -337,15 +345,8 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
             record["learner/wall_seconds"] = time.time() - t_start
             metrics.log({**record, "time/step_end_at": step_end_at})
         # 5. commit
-        if commit_due(cfg.learner, version + 1, cfg.run.steps):
-            timings.reset()  # the step's phases are logged: the commit is timed on its own
-            save_checkpoint(engine, ckpt_dir, version + 1, consumer.checkpoint_state(), critic=models.critic)
-            consumer.commit()
-            timings.time("commit")
-            if rank == 0:
-                metrics.log({"checkpoint/version": version + 1, "checkpoint/seconds": timings.seconds["commit"]})
-        elif cfg.learner.checkpoint_every == 0 and not cfg.learner.checkpoint:
-            consumer.commit()  # nothing to resume from: a step is the only commit point there is
+        if commit_step(cfg, models, consumer, version + 1, metrics if rank == 0 else None):
+            committed = version + 1
         control.heartbeat("learner", str(rank), version=version + 1, pid=os.getpid())
     # the end: make sure a generator serves the final version (it runs the final evaluation)
     if rank == 0:
@@ -359,6 +360,53 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         wait_for_generators(control, cfg.run.steps, timeout_s=120)
         publisher.close()
         log.info("rank 0: a generator serves version %d; publisher closed", cfg.run.steps)
+
+
+def take_unless_stopping(
+    consumer: BatchConsumer, need: int, version: int, block_ms: int, control: RunControl, reducer: DistReducer
+) -> Batch | None:
+    """This rank's batch for ``version``, or None on every rank when the run is stopping: a rank that saw
+    the stop while waiting ends the others too, their batches held again (a collective: every rank calls
+    it once a step; the ranks then stop at the same version, and a checkpoint there is a collective too)."""
+    try:
+        batch = consumer.take(need, version, block_ms, stop=control.stop_requested)
+    except StopRequested:
+        batch = None
+    (stopping,) = reducer.max([float(batch is None)])
+    if stopping and batch is not None:
+        consumer.give_back(batch)
+        return None
+    return batch
+
+
+def commit_step(cfg: Config, models: Models, consumer: BatchConsumer, version: int, metrics: RedisSink | None) -> bool:
+    """Commit after the step that made ``version`` where one is due (``metrics``: rank 0's, for the commit's
+    record). Returns whether it committed."""
+    if commit_due(cfg.learner, version, cfg.run.steps):
+        timings = Timings()  # the step's phases are logged: the commit is timed on its own
+        save_checkpoint(models.policy, cfg.run_dir / "checkpoint", version, consumer.checkpoint_state(), models.critic)
+        consumer.commit()
+        timings.time("commit")
+        if metrics is not None:
+            metrics.log({"checkpoint/version": version, "checkpoint/seconds": timings.seconds["commit"]})
+        return True
+    if cfg.learner.checkpoint_every == 0 and not cfg.learner.checkpoint:
+        consumer.commit()  # nothing to resume from: a step is the only commit point there is
+        return True
+    return False
+
+
+def stop_at(cfg: Config, models: Models, consumer: BatchConsumer, version: int, committed: int) -> NoReturn:
+    """The run stops at ``version``: first a checkpoint of what was trained since the last commit (at
+    ``committed``), committed, where the run keeps checkpoints at all (a collective: every rank stops at
+    the same version)."""
+    if version > committed and (cfg.learner.checkpoint or cfg.learner.checkpoint_every > 0):
+        save_checkpoint(
+            models.policy, cfg.run_dir / "checkpoint", version, consumer.checkpoint_state(), critic=models.critic
+        )
+        consumer.commit()
+        log.info("rank %d: the run stops; checkpoint of version %d committed", dist.get_rank(), version)
+    raise StopRequested(f"stop requested at version {version}")
 
 
 def start_publisher(cfg: Config):

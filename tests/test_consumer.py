@@ -138,6 +138,23 @@ def test_a_stopped_take_keeps_what_it_had() -> None:
     assert lost_groups(buf.stats()) == 0
 
 
+def test_a_batch_given_back_is_taken_again_with_its_uses() -> None:
+    """A rank holding its batch when another saw the run's stop gives it back (``learners.worker``):
+    the new group and the replay come back in the next take, the replay with its use counted once."""
+    buf = MemoryBuffer()
+    c = make(buf, k=2, replay_times=2)
+    push(buf, group(0, gid="a"))
+    c.trained(c.take(1, 0, 1, never_stop))
+    push(buf, group(1, gid="b"))
+    batch = c.take(2, 1, 1, never_stop)
+    assert [g.id for g in batch.groups] == ["b", "a"] and batch.replays == 1
+    c.give_back(batch)
+    assert c.checkpoint_state() == {batch.items[1].entry_id: 1}  # what a checkpoint at the stop records
+    again = c.take(2, 1, 1, never_stop)
+    assert [g.id for g in again.groups] == ["b", "a"] and again.replays == 1
+    assert lost_groups(buf.stats()) == 0
+
+
 def test_entries_from_a_lost_read_reply_are_adopted() -> None:
     buf = MemoryBuffer()
     c = make(buf)

@@ -1,7 +1,7 @@
 """``asyncrl launch --resume`` and a launcher's death (issue 11, defects 4 and 12), through the CLI on the
 demo: one run is stopped three ways and resumed after each --
 
-1. SIGINT of the launcher (a user's Ctrl-C);
+1. SIGINT of the launcher (a user's Ctrl-C), which commits a checkpoint of every trained version;
 2. ``kill -9`` of every process of the run at once (launcher, redis-server, learners, generators);
 3. ``kill -9`` of the launcher alone at a random step (seeded, printed): every child must notice and
    leave by itself;
@@ -70,6 +70,7 @@ def test_a_run_survives_sigint_kill_9_of_everything_and_a_killed_launcher(tmp_pa
     proc = start(demo_launch_cmd(tmp_path, "resumed", "--steps", str(STEPS)))
     try:
         wait_for(lambda: committed_version(run_dir) >= 10, 400, "the first committed checkpoint", proc)
+        wait_for(lambda: latest_version(run_dir) >= 12, 400, "two versions after it", proc)
         versions_at_stop.append(latest_version(run_dir))
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
@@ -77,6 +78,8 @@ def test_a_run_survives_sigint_kill_9_of_everything_and_a_killed_launcher(tmp_pa
     finally:
         if proc.poll() is None:
             proc.kill()
+    # the stop committed every trained version: the resume redoes none of them
+    assert committed_version(run_dir) == latest_version(run_dir) >= versions_at_stop[-1] >= 12
 
     # a plain relaunch of the name refuses (nothing deleted), and says how to go on
     again = subprocess.run(demo_launch_cmd(tmp_path, "resumed"), cwd=ROOT, capture_output=True, text=True)
