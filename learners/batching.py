@@ -117,17 +117,65 @@ def model_logprobs(
 
 def chunked_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, chunk: int) -> Tensor:
     """``token_logprobs(head(hidden), targets)`` for hidden (N, H), targets (N,), ``chunk`` rows at a time;
-    with gradients on, each chunk is recomputed in backward instead of keeping its logits."""
+    with gradients on, each chunk is recomputed in backward instead of keeping its logits (a head marked by
+    ``add_head_grad_in_place``: by :class:`_HeadLogprobs`)."""
 
     def one(h: Tensor, t: Tensor) -> Tensor:
         return token_logprobs(head(h), t, temperature)
 
     grad = torch.is_grad_enabled()
-    parts = [
-        checkpoint(one, h, t, use_reentrant=False) if grad else one(h, t)
-        for h, t in zip(hidden.split(chunk), targets.split(chunk), strict=True)
-    ]
+    in_place = grad and getattr(head, IN_PLACE_GRAD, False) and head.weight.requires_grad
+    pairs = zip(hidden.split(chunk), targets.split(chunk), strict=True)
+    if in_place:
+        parts = [_HeadLogprobs.apply(h, t, head, temperature) for h, t in pairs]
+    else:
+        parts = [checkpoint(one, h, t, use_reentrant=False) if grad else one(h, t) for h, t in pairs]
     return torch.cat(parts) if parts else hidden.new_zeros(0)
+
+
+IN_PLACE_GRAD = "asyncrl_grad_in_place"  # a head's marker: its weight's gradient is added in place
+
+
+def add_head_grad_in_place(model: nn.Module) -> bool:
+    """Mark ``model``'s LM head (a bias-free ``nn.Linear``) so that scoring it with gradients adds each
+    chunk's weight gradient into ``weight.grad`` in place (:class:`_HeadLogprobs`) instead of handing
+    autograd a (V, H) gradient per chunk to sum: 113 MB less on SmolLM2-135M, early in backward. Only where
+    nothing hooks the weight's gradient as autograd accumulates it (the learner: ZeRO 0 in float32).
+    Returns whether the head was marked."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        return False
+    setattr(head, IN_PLACE_GRAD, True)
+    return True
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """``token_logprobs(head(h), t, temperature)`` for one chunk, whose backward recomputes the logits and
+    adds the weight's gradient into ``weight.grad`` in place. The head module is passed as a plain object:
+    its weight is not an autograd input, ``h`` (which requires grad) makes autograd call this backward."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, t: Tensor, head: nn.Linear, temperature: float) -> Tensor:
+        ctx.save_for_backward(h, t)
+        ctx.head, ctx.temperature = head, temperature
+        with torch.no_grad():
+            return token_logprobs(h @ head.weight.detach().T, t, temperature)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        h, t = ctx.saved_tensors
+        weight, temperature = ctx.head.weight, ctx.temperature
+        dtype = torch.promote_types(weight.dtype, torch.float32)
+        # d log softmax(z)[t] / dz = onehot(t) - softmax(z), z = logits / temperature
+        dz = torch.softmax((h @ weight.detach().T).to(dtype) / temperature, dim=-1)
+        g = grad.to(dtype)[:, None]
+        dz.mul_(-g).scatter_add_(-1, t.long()[:, None], g).div_(temperature)
+        dz = dz.to(weight.dtype)
+        if weight.grad is None:
+            weight.grad = dz.T @ h
+        else:
+            weight.grad.addmm_(dz.T, h)
+        return dz @ weight.detach(), None, None, None
 
 
 def _plain_head(hf: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import LearnerConfig, ModelConfig
+from asyncrl.learners.batching import add_head_grad_in_place
 from asyncrl.learners.checkpoint import read_committed, write_atomic, write_committed
 from asyncrl.learners.lora import adapter_state, base_model, merged_state, with_lora
 from asyncrl.learners.models import accumulate_tied_lookup_in_place, enable_activation_checkpointing
@@ -100,10 +101,12 @@ def build_engine(learner: LearnerConfig, model_cfg: ModelConfig, steps: int, mod
         model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=getattr(torch, model_cfg.dtype))
         if model_cfg.lora is not None:  # the policy trains an adapter only (learners.lora)
             model = with_lora(model, model_cfg.lora)
+    plain_grads = learner.zero_stage == 0 and model_cfg.dtype == "float32"  # nothing hooks their accumulation
     if learner.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    if learner.zero_stage == 0 and model_cfg.dtype == "float32":
-        accumulate_tied_lookup_in_place(model)  # no gradient hooks there (see its doc)
+        enable_activation_checkpointing(model, by_rows=plain_grads)
+    if plain_grads:
+        accumulate_tied_lookup_in_place(model)
+        add_head_grad_in_place(model)
     lr = learner.lr if lr is None else lr
     # fused: one kernel per tensor, no temporaries (the unfused CPU loop allocates two of the embedding's
     # size for the second-moment denominator, 226 MB on SmolLM2-135M), and faster

@@ -14,6 +14,12 @@ set-up and ``--steps`` steps. The parameter bytes are the model's unique float32
     RESULT jemalloc_over_system_peak_rss 0.882
     RESULT jemalloc_over_system_step_seconds 0.920
 
+``--config FILE`` measures that run config's learner on its own step: its model, its algorithm and learner
+settings, ``groups_per_step`` x ``n_samples`` sequences of its training prompts' median length (rendered as
+its generators render them) + ``max_new_tokens``:
+
+    .venv/bin/python scripts/bench/memory.py --config configs/smollm2-arith.yaml [--checkpointing on]
+
 ``--table`` runs ZeRO 0/2/3 x float32/bfloat16 x activation checkpointing off/on (ZeRO 2/3 on
 ``--ranks`` ranks) one after the other on one ``--allocator`` (default jemalloc, as launched learners
 run) and prints a markdown table and one RESULT line per cell.
@@ -89,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
         "generator.max_new_tokens": args.response,
         **dict(kv.split("=", 1) for kv in args.set),
     }
-    cfg = load_config(str(ROOT / "configs/demo-cpu.yaml"), overrides)
+    cfg = load_config(args.config or str(ROOT / "configs/demo-cpu.yaml"), overrides)
     models = build_models(cfg.learner, cfg.model, cfg.algorithm, cfg.run.steps)
     module = models.policy.module
     vocab = module.config.vocab_size
@@ -119,6 +125,38 @@ def worker(args: argparse.Namespace) -> None:
     torch.distributed.destroy_process_group()
 
 
+def shape_of(args: argparse.Namespace) -> None:
+    """Fill in the flags left unset: from ``--config`` (its model and step shape) where given, else the
+    defaults (SmolLM2-135M, 16 sequences of 30 + 30 tokens in groups of 8)."""
+    defaults = {"model": ".cache/models/smollm2-135m-instruct", "sequences": 16, "per_group": 8, "prompt": 30}
+    defaults["response"] = 30
+    if args.config is not None:
+        from transformers import AutoTokenizer
+
+        from asyncrl.chat import ChatTokens
+        from asyncrl.config import load_config
+        from asyncrl.data import load_jsonl, prompt_of
+
+        cfg = load_config(args.config)
+        gen, ep = cfg.generator, cfg.episode
+        chat = ChatTokens(
+            AutoTokenizer.from_pretrained(cfg.model.path), use_template=ep.chat_template, system_prompt=ep.system_prompt
+        )
+        lengths = sorted(len(chat.prompt_ids(prompt_of(r))) for r in load_jsonl(cfg.data.train)[:256])
+        defaults.update(model=cfg.model.path, per_group=gen.n_samples, response=gen.max_new_tokens)
+        defaults.update(sequences=cfg.learner.groups_per_step * gen.n_samples, prompt=lengths[len(lengths) // 2])
+        if args.checkpointing is None:
+            args.checkpointing = "on" if cfg.learner.activation_checkpointing else "off"
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    print(
+        f"{args.model}: {args.sequences} sequences of {args.prompt} + {args.response} tokens a step, groups of "
+        f"{args.per_group}, checkpointing {args.checkpointing or 'as configs/demo-cpu.yaml'}",
+        file=sys.stderr,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,6 +169,7 @@ def measure(args: argparse.Namespace, zero: int, dtype: str, checkpointing: bool
     ranks = 1 if zero == 0 else args.ranks
     port = str(free_port())
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--zero", str(zero), "--dtype", dtype]
+    cmd += ["--config", args.config] if args.config else []
     cmd += ["--steps", str(args.steps), "--sequences", str(args.sequences), "--per-group", str(args.per_group)]
     cmd += ["--prompt", str(args.prompt), "--response", str(args.response)]
     sets = list(args.set)
@@ -182,16 +221,22 @@ def measure(args: argparse.Namespace, zero: int, dtype: str, checkpointing: bool
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=".cache/models/smollm2-135m-instruct", help="HF model directory")
+    ap.add_argument(
+        "--config",
+        help="measure this run config's learner: its model, algorithm and learner settings, and its step's shape "
+        "(groups_per_step x n_samples sequences of max_new_tokens after its training prompts' median length) "
+        "unless flags below say otherwise (default: configs/demo-cpu.yaml's settings on --model)",
+    )
+    ap.add_argument("--model", help="HF model directory (default: the config's, else SmolLM2-135M's recipe directory)")
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--checkpointing", choices=["on", "off"], help="learner.activation_checkpointing (default: config)")
     ap.add_argument("--ranks", type=int, default=2, help="ranks for ZeRO stages above 0 (ZeRO 0 runs one rank)")
     ap.add_argument("--steps", type=int, default=3, help="learner steps; the first is not timed")
-    ap.add_argument("--sequences", type=int, default=16, help="sequences per step over all ranks")
-    ap.add_argument("--per-group", type=int, default=8, help="samples per group (generator.n_samples)")
-    ap.add_argument("--prompt", type=int, default=30)
-    ap.add_argument("--response", type=int, default=30)
+    ap.add_argument("--sequences", type=int, help="sequences per step over all ranks (default 16)")
+    ap.add_argument("--per-group", type=int, help="samples per group (generator.n_samples; default 8)")
+    ap.add_argument("--prompt", type=int, help="prompt tokens (default 30)")
+    ap.add_argument("--response", type=int, help="response tokens (default 30)")
     ap.add_argument("--set", action="append", default=[], help="extra config override key=value")
     ap.add_argument("--table", action="store_true", help="ZeRO 0/2/3 x float32/bfloat16 x checkpointing off/on")
     ap.add_argument(
@@ -205,6 +250,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    shape_of(args)
     if not args.table:
         ckpt = None if args.checkpointing is None else args.checkpointing == "on"
         both = args.allocator == "both"
