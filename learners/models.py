@@ -96,8 +96,9 @@ def enable_activation_checkpointing(model: nn.Module, by_rows: bool = False) -> 
 
 
 # Sequences of a batch recomputed at once in a checkpointed layer's backward (``recompute_by_rows``): this
-# many tokens' worth. SmolLM2-135M, 32 sequences of 62 tokens, ZeRO 0 f32: peak 2.83 -> 2.xx GB, the
-# same step time (scripts/bench/memory.py --config configs/smollm2-arith.yaml).
+# many tokens' worth. SmolLM2-135M, 32 sequences of 62 tokens, ZeRO 0 f32, with the head's gradient added
+# in place: 256 tokens 2.65 GB, 512 2.67 GB at 3% less step time, the whole batch (before both changes)
+# 2.74-2.76 GB (scripts/bench/memory.py --config configs/smollm2-arith.yaml --checkpointing on, alternated).
 RECOMPUTE_TOKENS = 256
 # a decoder layer's keyword inputs with one row per sequence (or one broadcast row); any other tensor input
 # makes the layer take the whole-batch recompute
