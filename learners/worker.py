@@ -384,8 +384,7 @@ def commit_step(cfg: Config, models: Models, consumer: BatchConsumer, version: i
     record). Returns whether it committed."""
     if commit_due(cfg.learner, version, cfg.run.steps):
         timings = Timings()  # the step's phases are logged: the commit is timed on its own
-        save_checkpoint(models.policy, cfg.run_dir / "checkpoint", version, consumer.checkpoint_state(), models.critic)
-        consumer.commit()
+        commit_checkpoint(cfg, models, consumer, version)
         timings.time("commit")
         if metrics is not None:
             metrics.log({"checkpoint/version": version, "checkpoint/seconds": timings.seconds["commit"]})
@@ -396,15 +395,18 @@ def commit_step(cfg: Config, models: Models, consumer: BatchConsumer, version: i
     return False
 
 
+def commit_checkpoint(cfg: Config, models: Models, consumer: BatchConsumer, version: int) -> None:
+    """Save every rank's part of ``version`` (policy and critic), commit it, acknowledge what it trained."""
+    save_checkpoint(models.policy, cfg.run_dir / "checkpoint", version, consumer.checkpoint_state(), models.critic)
+    consumer.commit()
+
+
 def stop_at(cfg: Config, models: Models, consumer: BatchConsumer, version: int, committed: int) -> NoReturn:
     """The run stops at ``version``: first a checkpoint of what was trained since the last commit (at
     ``committed``), committed, where the run keeps checkpoints at all (a collective: every rank stops at
     the same version)."""
     if version > committed and (cfg.learner.checkpoint or cfg.learner.checkpoint_every > 0):
-        save_checkpoint(
-            models.policy, cfg.run_dir / "checkpoint", version, consumer.checkpoint_state(), critic=models.critic
-        )
-        consumer.commit()
+        commit_checkpoint(cfg, models, consumer, version)
         log.info("rank %d: the run stops; checkpoint of version %d committed", dist.get_rank(), version)
     raise StopRequested(f"stop requested at version {version}")
 
