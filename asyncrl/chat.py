@@ -144,3 +144,9 @@ def _overlap(turn: Sequence[int], closing: Sequence[int]) -> int:
         if list(turn[-k:]) == list(closing[:k]):
             return k
     return 0
+
+
+def stop_at(text: str, stop: Sequence[str]) -> int | None:
+    """The end of the earliest stop string in ``text``, or None."""
+    ends = [i + len(s) for s in stop if (i := text.find(s)) >= 0]
+    return min(ends) if ends else None

@@ -90,21 +90,21 @@ def cmd_launch(args) -> int:
     console = Console(stderr=True)
     cfg = resolve_config(args)
     if args.dry_run:
-        from asyncrl.preflight import preflight_light
+        from asyncrl.run.preflight import preflight_light
 
         preflight_light(cfg)
         print(dump_config(cfg), end="")
         return 0
-    from asyncrl.launch import Launcher
+    from asyncrl.run.launch import Launcher
 
     resume = None
     if args.resume:
-        from asyncrl.resume import check_resumable, load_resume_point
+        from asyncrl.run.resume import check_resumable, load_resume_point
 
         resume = load_resume_point(cfg.run_dir)
         check_resumable(resume, cfg.run.steps)
     if args.backend == "ray":
-        from asyncrl.ray_backend import RayLauncher
+        from asyncrl.run.ray_backend import RayLauncher
 
         launcher = RayLauncher(cfg, address=args.address or "auto", console=console, resume=resume)
     elif args.address:
@@ -141,7 +141,7 @@ def _status_parser(sub) -> None:
 def cmd_status(args) -> int:
     import json
 
-    from asyncrl.status import render, status
+    from asyncrl.observe.status import render, status
 
     if args.prefix and args.run:
         raise UserError("--prefix goes with --redis-url; a run directory names its own prefix")
@@ -177,7 +177,7 @@ def _reward_serve_parser(sub) -> None:
 
 
 def cmd_reward_serve(args) -> int:
-    from asyncrl.reward_serve import serve
+    from asyncrl.rewards.serve import serve
 
     return serve(
         args.reward,
@@ -198,7 +198,7 @@ def _plot_parser(sub) -> None:
 
 
 def cmd_plot(args) -> int:
-    from asyncrl.plot import dashboard
+    from asyncrl.observe.plot import dashboard
 
     print(dashboard(args.runs, args.out, dpi=args.dpi))
     return 0
@@ -206,7 +206,7 @@ def cmd_plot(args) -> int:
 
 def cmd_prepare_demo(args) -> int:
     from asyncrl.config import load_config
-    from asyncrl.preflight import ensure_model
+    from asyncrl.run.preflight import ensure_model
 
     ensure_model(load_config(args.config), log=print)
     return 0
@@ -222,13 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     _status_parser(sub)
     _reward_serve_parser(sub)
     _plot_parser(sub)
-    from asyncrl import fleet
+    from asyncrl.run import join
 
-    fleet.add_parsers(sub)
-    from asyncrl import slurm
+    join.add_parsers(sub)
+    from asyncrl.run import slurm
 
     slurm.add_parser(sub)
-    from asyncrl import offline_launch
+    from asyncrl.offline import launch as offline_launch
 
     offline_launch.add_parsers(sub)
     p = sub.add_parser("prepare-demo", help="build (once) the demo model named by a config")

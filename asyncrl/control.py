@@ -10,7 +10,7 @@ import time
 
 import redis
 
-from asyncrl.keys import RunKeys
+from asyncrl.keys import RUN_MARKERS, RunKeys
 
 HEARTBEAT_TTL_S = 30  # learners: one heartbeat per step
 # A generator renews its lease every tick (0.2 s; its engine runs on another thread): one not renewed
@@ -260,3 +260,15 @@ def _json_object(raw: bytes | None) -> dict | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return value if isinstance(value, dict) else None
+
+
+def find_prefixes(client: redis.Redis) -> list[str]:
+    """Every run prefix ``asyncrl:{<run-id>}:`` that has one of :data:`asyncrl.keys.RUN_MARKERS` on this server."""
+    found = set()
+    for name in RUN_MARKERS:
+        for key in client.scan_iter(match=f"asyncrl:{{*}}:{name}", count=1000):
+            key = key.decode(errors="replace")
+            prefix = key[: key.find("}:") + 2]
+            if prefix + name == key:
+                found.add(prefix)
+    return sorted(found)

@@ -43,6 +43,11 @@ key                 type                  contents
 from __future__ import annotations
 
 # Keys whose presence marks a run on a server (``asyncrl status`` finds runs by them).
+# Metadata fields (``P meta``) a joining process reads.
+CONFIG_FIELD = "config"  # the resolved config, YAML (secrets redacted)
+REDIS_FIELD = "redis_address"  # host:port, as other hosts reach it
+MASTER_FIELD = "learner_master"  # host:port of the learners' rendezvous, when ranks join from other hosts
+
 RUN_MARKERS = ("version", "counters", "traj")
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from asyncrl.errors import UserError
-from asyncrl.status import pid_alive, read_run_info
+from asyncrl.rundir import pid_alive, read_run_info
 
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.02  # how often an ending child is looked at: an exit is seen this late at most

@@ -1,9 +1,12 @@
-"""Addresses: which are loopback, and which of this host's addresses faces another host."""
+"""Addresses: which are loopback, which of this host's addresses faces another host, URLs shown without
+their credentials, and the back-off every retrying client uses (the Redis buffer, the remote reward)."""
 
 from __future__ import annotations
 
 import ipaddress
+import random
 import socket
+from urllib.parse import urlsplit, urlunsplit
 
 
 def is_loopback(host: str) -> bool:
@@ -38,3 +41,34 @@ def interface_of(address: str) -> str:
             if socket.inet_ntoa(raw[20:24]) == address:
                 return name
     raise LookupError(f"no network interface of this host has the address {address}")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for logs and error messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def url_address(url: str) -> str:
+    """``host:port`` (or the socket path) of a Redis URL, without credentials."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return parts.path
+    return f"{parts.hostname or 'localhost'}:{parts.port or 6379}"
+
+
+def backoff_s(attempt: int, base_s: float, cap_s: float) -> float:
+    """Sleep before retry number ``attempt``: "equal jitter" exponential back-off.
+
+    Half of ``min(cap, base * 2**attempt)`` is fixed, so the retries together always wait at least
+    about half their nominal sum (the buffer's 0.1 s base, 2 s cap, 6 retries: 3.5 to 7 s, which rides
+    through a server restart); the random half keeps many clients from reconnecting in lockstep.
+    """
+    t = min(cap_s, base_s * 2**attempt) / 2
+    return t + random.uniform(0, t)

@@ -2,6 +2,8 @@
 
 ``setup(cfg.buffer, url, prefix)`` is the one way processes get a buffer; see ``base.py`` for the
 invariants every backend keeps.
+
+May import: the core.
 """
 
 from __future__ import annotations

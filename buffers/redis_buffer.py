@@ -14,7 +14,7 @@ Acknowledged entries are deleted, so the stream holds only queued and pending en
 bounded by the admission window plus whatever learners have read but not acknowledged.
 
 Durability: the launcher's redis-server appends every write to its AOF and fsyncs it before it
-replies (``appendfsync always``, see ``asyncrl/redis_server.py``), so a
+replies (``appendfsync always``, see ``asyncrl/fleet/redis_server.py``), so a
 killed server restarts with every group a generator saw acknowledged, the consumer group's pending
 lists, and the counters. Script effects are what the AOF records, and a transaction is one
 MULTI/EXEC block in it (a block cut short by a crash is dropped on load), so a restart replays them
@@ -54,8 +54,7 @@ from asyncrl.buffers.base import (
 )
 from asyncrl.errors import UserError
 from asyncrl.keys import RunKeys
-from asyncrl.redis_server import url_address
-from asyncrl.retry import backoff_s
+from asyncrl.net import backoff_s, url_address
 from asyncrl.staleness import admission_limit
 
 GROUP = "learners"

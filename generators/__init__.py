@@ -2,4 +2,7 @@
 
 Installed as ``asyncrl.generators``. Engines (vLLM, transformers) are imported lazily by
 :func:`asyncrl.generators.engine.setup`.
+
+May import: the core, asyncrl.buffers, asyncrl.weights, asyncrl.observe, asyncrl.episodes,
+asyncrl.rewards.
 """

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from asyncrl.episodes import Context, Outcome
+from asyncrl.episodes.api import Context, Outcome
 
 
 class FailureWindow:

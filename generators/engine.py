@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from asyncrl.errors import UserError
@@ -82,12 +81,6 @@ def context_length(model_path: str, max_model_len: int | None = None) -> int:
     return max_model_len
 
 
-def stop_at(text: str, stop: Sequence[str]) -> int | None:
-    """The end of the earliest stop string in ``text``, or None."""
-    ends = [i + len(s) for s in stop if (i := text.find(s)) >= 0]
-    return min(ends) if ends else None
-
-
 def fits(prompt_len: int, max_new_tokens: int, max_model_len: int) -> bool:
     """Whether a prompt of ``prompt_len`` tokens leaves room for a full completion."""
     return prompt_len + max_new_tokens <= max_model_len
@@ -110,7 +103,7 @@ class Engine(abc.ABC):
 
     def score(self, ids: list[int]) -> list[float]:
         """Log-probs of ``ids[1:]`` under the served weights at temperature 1 (the weight-sync probe,
-        ``asyncrl.probe``); called only between steps, with no request running."""
+        ``asyncrl.observe.probe``); called only between steps, with no request running."""
         raise NotImplementedError(f"{type(self).__name__} cannot score a sequence")
 
     def bind_thread(self) -> None:  # noqa: B027 - optional hook

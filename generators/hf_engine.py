@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from asyncrl.chat import stop_at
 from asyncrl.config import ModelConfig
-from asyncrl.generators.engine import Completion, Engine, Sampling, StepOutput, context_length, stop_at
+from asyncrl.generators.engine import Completion, Engine, Sampling, StepOutput, context_length
 from asyncrl.weights.ties import module_aliases
 
 

@@ -7,7 +7,7 @@ loop, between engine steps:
 
   1. weights - if the ``WeightFeed`` has a newer version (and no evaluation holds the weights), apply
                it as ``generator.engine.on_weight_update`` says (then score the feed's probe, with
-               no request in the engine: ``asyncrl.probe``):
+               no request in the engine: ``asyncrl.observe.probe``):
                ``continue``: every running turn is aborted and added again with its prompt plus the
                tokens it has, under the new weights (a prefill rebuilds its KV cache); the tokens
                after the switch carry the new version and the new policy's log-probs;

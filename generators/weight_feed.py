@@ -36,7 +36,7 @@ class WeightFeed:
     ) -> None:
         """``metrics`` is a sink (``log(record)``); ``heartbeat(version=, checksum=)`` says which
         weights this process serves now. ``version`` is the one loaded at start (the weights on disk).
-        ``probe_ids``: the sequence the engine scores after each apply (``asyncrl.probe``), and
+        ``probe_ids``: the sequence the engine scores after each apply (``asyncrl.observe.probe``), and
         ``compare(version, logprobs)`` its largest difference from the learner's (None: unknown).
         ``aliases``: the model's tied names (``asyncrl.weights.ties``), put back into each version.
         ``adapter``: (``model.path``, alpha / rank) of a LoRA run, whose versions are adapters merged into

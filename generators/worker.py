@@ -47,22 +47,23 @@ import zlib
 
 import numpy as np
 
-from asyncrl import buffers, probe
+from asyncrl import buffers
 from asyncrl.buffers.base import live_groups
 from asyncrl.chat import ChatTokens
 from asyncrl.config import Config, load_config
 from asyncrl.control import MEMBER_TTL_S, RunControl, connect
 from asyncrl.data import is_async, load_jsonl, prompt_for_sequence, prompt_of
-from asyncrl.episodes import Context, Outcome, load_episode, run_episode
+from asyncrl.episodes.api import Context, Outcome, load_episode, run_episode
 from asyncrl.generators.accounting import EpisodeStats, FailureWindow
 from asyncrl.generators.engine import Engine, Sampling, fits, turn_sampling
 from asyncrl.generators.engine import setup as setup_engine
 from asyncrl.generators.scheduler import EnginePump
 from asyncrl.generators.weight_feed import WeightFeed
 from asyncrl.lifetime import NICE_WHEN_UP_ENV, lower_priority
-from asyncrl.metrics import RedisSink, setup_logging
+from asyncrl.observe import probe
+from asyncrl.observe.metrics import RedisSink, setup_logging
 from asyncrl.protocol import Sample, TrajectoryGroup, encode_group
-from asyncrl.rewards import load_reward
+from asyncrl.rewards.resolve import load_reward
 from asyncrl.secret import read_secret
 from asyncrl.staleness import admission_limit, claim_share
 from asyncrl.weights import WeightSubscriber, setup_subscriber

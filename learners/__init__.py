@@ -6,7 +6,10 @@ maths lives in the registries below, all pure torch functions. Nothing heavy is 
 
 The algorithm pieces users switch between, each a registry of pure functions with slow-reference tests
 (docs/algorithms.md): ``advantages`` (ADVANTAGES), ``policy_losses`` (POLICY_LOSSES, AGGREGATIONS and the
-PPO critic loss), ``kl`` (KL_ESTIMATORS), ``corrections`` (CORRECTIONS) and ``presets`` (PRESETS: a name
-expanding to one piece of each kind plus defaults). ``objective`` composes a preset's pieces into one
-step's losses (split-invariant over ranks); ``models`` builds the reference model and the critic.
+PPO critic loss), ``kl`` (KL_ESTIMATORS) and ``corrections`` (CORRECTIONS). Their names, parameters and
+the presets (a name expanding to one piece of each kind plus defaults) are torch-free config:
+``asyncrl.config.pieces`` and ``asyncrl.config.presets``. ``objective`` composes a preset's pieces into
+one step's losses (split-invariant over ranks); ``models`` builds the reference model and the critic.
+
+May import: the core, asyncrl.buffers, asyncrl.weights, asyncrl.observe.
 """

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from asyncrl.learners.pieces import AdvantageConfig, lookup
+from asyncrl.config.pieces import AdvantageConfig, lookup
 
 __all__ = [
     "ADVANTAGES",

@@ -9,8 +9,9 @@ restarted learner resumes from it and nothing else, and the launcher reads it to
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from asyncrl.rundir import write_atomic
 
 COMMITTED = "committed.json"
 
@@ -26,13 +27,3 @@ def read_committed(ckpt_dir: Path) -> dict | None:
 
 def write_committed(ckpt_dir: Path, version: int, tag: str) -> None:
     write_atomic(Path(ckpt_dir) / COMMITTED, json.dumps({"version": version, "tag": tag}))
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` so that a reader sees the old file or the new one, never a part (fsync + rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from asyncrl.config.pieces import CorrectionConfig, lookup
 from asyncrl.learners.batching import masked_mean
-from asyncrl.learners.pieces import CorrectionConfig, lookup
 
 __all__ = [
     "CORRECTIONS",

@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from asyncrl.config import LearnerConfig, ModelConfig
 from asyncrl.learners.batching import add_head_grad_in_place
-from asyncrl.learners.checkpoint import read_committed, write_atomic, write_committed
+from asyncrl.learners.checkpoint import read_committed, write_committed
 from asyncrl.learners.lora import adapter_state, base_model, merged_state, with_lora
 from asyncrl.learners.models import accumulate_tied_lookup_in_place, enable_activation_checkpointing
+from asyncrl.rundir import write_atomic
 from asyncrl.weights.ties import untied
 
 

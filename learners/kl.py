@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from asyncrl.learners.pieces import lookup
+from asyncrl.config.pieces import lookup
 
 __all__ = [
     "KL_ESTIMATORS",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from asyncrl.sections import LoraConfig
+from asyncrl.config import LoraConfig
 from asyncrl.weights.lora import A, B, merge
 
 

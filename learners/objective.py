@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from asyncrl.config.presets import Preset
 from asyncrl.learners.advantages import AdvantageInput, MomentsFn, get_advantage, token_level_rewards
 from asyncrl.learners.corrections import CorrectionInput, get_correction
 from asyncrl.learners.kl import KLInput, kl_loss, kl_penalty, kl_reward
@@ -46,7 +47,6 @@ from asyncrl.learners.policy_losses import (
     get_policy_loss,
     value_loss,
 )
-from asyncrl.learners.presets import Preset
 
 __all__ = [
     "BatchInputs",

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from asyncrl.config.pieces import lookup
 from asyncrl.learners.batching import model_logprobs
-from asyncrl.learners.pieces import lookup
 
 __all__ = [
     "PAIR_LOSSES",

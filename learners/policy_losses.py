@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from asyncrl.config.pieces import PolicyLossConfig, lookup
 from asyncrl.learners.batching import masked_mean
-from asyncrl.learners.pieces import PolicyLossConfig, lookup
 
 __all__ = [
     "AGGREGATIONS",

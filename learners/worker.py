@@ -37,10 +37,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from asyncrl import buffers, probe
+from asyncrl import buffers
 from asyncrl.buffers.consumer import Batch, BatchConsumer, ConsumerRules, StopRequested
 from asyncrl.chat import ChatTokens
 from asyncrl.config import AlgorithmConfig, Config, LearnerConfig, ModelConfig, load_config
+from asyncrl.config.presets import Preset
 from asyncrl.control import RunControl, connect
 from asyncrl.data import load_jsonl
 from asyncrl.learners.advantages import overlong_penalty
@@ -69,9 +70,9 @@ from asyncrl.learners.objective import (
     step_loss,
     take_rows,
 )
-from asyncrl.learners.presets import Preset
 from asyncrl.lifetime import exit_after_collectives
-from asyncrl.metrics import RedisSink, Timings, setup_logging
+from asyncrl.observe import probe
+from asyncrl.observe.metrics import RedisSink, Timings, setup_logging
 from asyncrl.protocol import TrajectoryGroup
 from asyncrl.secret import read_secret
 from asyncrl.staleness import staleness
@@ -205,7 +206,7 @@ def _optimizer_step(models: Models, out: StepLoss) -> None:
 
 @torch.no_grad()
 def probe_logprobs(engine, ids: list[int]) -> list[float]:
-    """Log-probs of the weight-sync probe ``ids[1:]`` under the policy, at temperature 1 (``asyncrl.probe``)."""
+    """Log-probs of the weight-sync probe ``ids[1:]`` under the policy, at temperature 1 (``asyncrl.observe.probe``)."""
     x = torch.tensor([ids], device=engine.device)
     logits = engine(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].tolist()

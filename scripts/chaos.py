@@ -41,7 +41,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.status import pid_alive  # noqa: E402
+from asyncrl.rundir import pid_alive  # noqa: E402
 
 KINDS = ("generator", "learner", "redis", "launcher")
 DISRUPTIVE = ("learner", "launcher")  # these send the learners back to the committed checkpoint

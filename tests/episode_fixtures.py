@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from asyncrl.tools import tool
+from asyncrl.episodes.tools import tool
 
 FOREVER_S = 3600.0  # a "hang": far past any timeout a test sets
 

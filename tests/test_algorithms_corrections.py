@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from test_algorithms_losses import ref_clipped_objective
 
+from asyncrl.config.presets import PRESETS, Preset, get_preset
 from asyncrl.errors import UserError
 from asyncrl.learners.advantages import AdvantageConfig, AdvantageInput, get_advantage
 from asyncrl.learners.corrections import CORRECTIONS, CorrectionConfig, CorrectionInput, get_correction
@@ -52,7 +53,6 @@ from asyncrl.learners.policy_losses import (
     get_policy_loss,
     value_loss,
 )
-from asyncrl.learners.presets import PRESETS, Preset, get_preset
 
 torch.set_num_threads(1)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from algo_common import DTYPES
 
+from asyncrl.config.presets import PRESETS
 from asyncrl.learners.advantages import ADVANTAGES, AdvantageConfig, AdvantageInput
 from asyncrl.learners.corrections import CORRECTIONS, CorrectionConfig, CorrectionInput
 from asyncrl.learners.kl import KL_ESTIMATORS, KLInput, kl_loss, kl_penalty, kl_reward
@@ -30,7 +31,6 @@ from asyncrl.learners.policy_losses import (
     aggregate,
     value_loss,
 )
-from asyncrl.learners.presets import PRESETS
 
 torch.set_num_threads(1)
 

@@ -37,7 +37,7 @@ def test_secrets_are_redacted_where_the_config_is_shown_or_stored():
 
 
 def test_the_run_directory_and_its_config_are_private(tmp_path):
-    from asyncrl.launch import Launcher
+    from asyncrl.run.launch import Launcher
 
     cfg = load_config(DEMO, {"run.out_dir": str(tmp_path), "buffer.url": "redis://:hunter2@127.0.0.1:1/0"})
     config_path = Launcher(cfg).prepare_run_dir()
@@ -80,7 +80,7 @@ def test_a_model_path_that_is_not_a_model_is_an_error_not_a_demo_build(tmp_path)
     assert_one_line_error(proc, "my-model", "config.json")
     assert not any(empty.iterdir())
     with pytest.raises(UserError, match="typo"):
-        from asyncrl.preflight import ensure_model
+        from asyncrl.run.preflight import ensure_model
 
         ensure_model(load_config(DEMO, {"model.path": str(tmp_path / "typo")}), log=lambda _: None)
     assert not (tmp_path / "typo").exists()

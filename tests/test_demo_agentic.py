@@ -1,5 +1,5 @@
 """The agentic demos: calc (tool use) and guess (multi-turn feedback), their data, rewards, tool, Env,
-latency, their episodes through ``asyncrl.episodes`` with a scripted model, and the warm-up's format."""
+latency, their episodes through ``asyncrl.episodes.api`` with a scripted model, and the warm-up's format."""
 
 from __future__ import annotations
 
@@ -226,15 +226,15 @@ def test_tool_and_env_wait_their_episodes_delays(slept):
     assert asyncio.run(latency.pause()) == 0.0 and slept == []  # outside an episode: no wait
 
 
-# --- episodes through asyncrl.episodes, with a scripted model ------------------------------------------
+# --- episodes through asyncrl.episodes.api, with a scripted model ------------------------------------------
 
 
 def _context(tokenizer, record: dict, turns: list[str], cfg: EpisodeConfig, seen: list[list[int]]):
     """A Context whose model answers ``turns`` in order (each + </s>), recording the ids it was given."""
     from asyncrl.chat import ChatTokens
-    from asyncrl.episodes import Context, load_episode
+    from asyncrl.episodes.api import Context, load_episode
     from asyncrl.generators.engine import Completion
-    from asyncrl.rewards import load_reward
+    from asyncrl.rewards.resolve import load_reward
 
     script = iter(turns)
 
@@ -262,7 +262,7 @@ def _context(tokenizer, record: dict, turns: list[str], cfg: EpisodeConfig, seen
 
 
 def _run(tokenizer, record: dict, turns: list[str], cfg: EpisodeConfig):
-    from asyncrl.episodes import run_episode
+    from asyncrl.episodes.api import run_episode
 
     seen: list[list[int]] = []
     episode, ctx = _context(tokenizer, record, turns, cfg, seen)
@@ -374,7 +374,8 @@ def test_lockstep_play_is_deterministic_on_an_untrained_model(tokenizer):
 
 
 def test_a_cached_model_of_another_recipe_is_refused(tmp_path):
-    from asyncrl.demo.model import RECIPE_FILE, prepare_demo_model
+    from asyncrl.demo.model import RECIPE_FILE
+    from asyncrl.demo.recipes import prepare_demo_model
 
     (tmp_path / RECIPE_FILE).write_text(json.dumps({"recipe": "demo-sort"}))
     with pytest.raises(FileExistsError, match="demo-sort"):
@@ -386,7 +387,8 @@ def test_demo_guess_recipe_warms_up_a_weak_but_explorable_policy(tmp_path):
     import torch
     from transformers import AutoConfig
 
-    from asyncrl.demo.model import RECIPE_FILE, prepare_demo_model
+    from asyncrl.demo.model import RECIPE_FILE
+    from asyncrl.demo.recipes import prepare_demo_model
 
     torch.set_num_threads(2)
     path = prepare_demo_model(tmp_path / "guess", seed=0, log=lambda _: None, recipe="demo-guess")

@@ -139,7 +139,8 @@ def test_prepare_demo_model_builds_a_partial_policy_once(tmp_path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.demo.model import RECIPE_FILE, greedy_eval, prepare_demo_model
+    from asyncrl.demo.model import RECIPE_FILE, greedy_eval
+    from asyncrl.demo.recipes import prepare_demo_model
 
     torch.set_num_threads(1)
     path = tmp_path / "demo"

@@ -20,9 +20,9 @@ import torch
 from test_config_algorithms import config_accepts
 
 from asyncrl.config import AlgorithmConfig, CorrectionName, PolicyLossName, PresetName
+from asyncrl.config.presets import from_config
 from asyncrl.learners.batching import pad_batch
 from asyncrl.learners.objective import Reducer, StepBatch, step_loss
-from asyncrl.learners.presets import from_config
 
 B, T = 4, 9  # two groups of two samples, nine response positions
 MAX_LEN = float(T)

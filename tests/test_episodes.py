@@ -12,11 +12,11 @@ import pytest
 from asyncrl.chat import ChatTokens
 from asyncrl.config import EpisodeConfig
 from asyncrl.demo.model import build_tokenizer
-from asyncrl.episodes import Context, env_episode, load_episode, run_episode, single_turn, tool_episode
+from asyncrl.episodes.api import Context, env_episode, load_episode, run_episode, single_turn, tool_episode
+from asyncrl.episodes.tools import load_parser, load_tools
 from asyncrl.errors import EpisodeFailure, UserError
 from asyncrl.generators.engine import Completion
-from asyncrl.rewards import reward_parts
-from asyncrl.tools import load_parser, load_tools
+from asyncrl.rewards.resolve import reward_parts
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id

@@ -15,7 +15,7 @@ from asyncrl.buffers import setup as setup_buffer
 from asyncrl.config import RedisBufferConfig
 from asyncrl.control import RunControl, connect
 from asyncrl.errors import UserError
-from asyncrl.fleet import redis_url
+from asyncrl.fleet.rendezvous import redis_url
 from asyncrl.secret import derive, new_secret, read_secret, redis_password
 
 pytestmark = pytest.mark.redis
@@ -122,7 +122,7 @@ def test_credentials_derive_from_the_secret_and_nothing_else(tmp_path, monkeypat
 )
 def test_a_run_host_that_cannot_work_is_one_clear_error(overrides, message):
     from asyncrl.config import load_config
-    from asyncrl.preflight import check_host
+    from asyncrl.run.preflight import check_host
 
     with pytest.raises(UserError, match=message):
         check_host(load_config(None, overrides))

@@ -23,9 +23,9 @@ from netns import namespace
 
 from asyncrl.buffers.redis_buffer import RedisBuffer
 from asyncrl.control import RunControl, connect
-from asyncrl.fleet import redis_url
+from asyncrl.fleet.rendezvous import redis_url
+from asyncrl.observe.status import open_run
 from asyncrl.secret import new_secret, redis_password
-from asyncrl.status import open_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 

@@ -290,7 +290,8 @@ def test_a_stop_string_ends_the_turn_with_its_token(engine, model_dir):
     """Generation ends at the token that completes a stop string; the text the episode reads ends with it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.generators.engine import Sampling, stop_at
+    from asyncrl.chat import stop_at
+    from asyncrl.generators.engine import Sampling
 
     engine.load_weights(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict())
     tok = AutoTokenizer.from_pretrained(model_dir)

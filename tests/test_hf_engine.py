@@ -41,7 +41,7 @@ def test_hf_engine_logprobs_match_the_learner(tmp_path):
 def test_hf_engine_truncates_and_stops_as_asked(tmp_path):
     """top_k / min_p: every sampled token is inside the truncated set, its log-prob renormalised over
     it; a stop string ends a completion at the token that completes it."""
-    from asyncrl.generators.engine import stop_at
+    from asyncrl.chat import stop_at
     from asyncrl.generators.hf_engine import processed_logprobs
 
     tok = build_tokenizer()

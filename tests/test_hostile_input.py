@@ -88,7 +88,7 @@ def test_a_bad_metrics_record_is_skipped_and_counted(redis_server):
 
 def test_records_of_the_wrong_shape_do_not_stop_the_progress(redis_server, tmp_path):
     from asyncrl.config import RunConfig
-    from asyncrl.run_stats import RunStats
+    from asyncrl.run.stats import RunStats
 
     control = RunControl(connect(redis_server.url), run_prefix(f"metrics-{uuid.uuid4().hex[:8]}"))
     stats = RunStats(RunConfig(steps=2), tmp_path)

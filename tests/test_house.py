@@ -56,3 +56,140 @@ def test_no_product_symbol_is_used_only_by_tests():
         {f"{p.relative_to(ROOT)}:{name}" for p, name in defs if used[name] <= defined[name] and in_tests[name] > 0}
     )
     assert not only_tests, f"product symbols used only by tests: {only_tests}"
+
+
+# ----- the package import rule ---------------------------------------------------------------------
+# asyncrl's top-level modules and asyncrl.config are the core; every other package (the three role folders
+# included) is a wing whose __init__ docstring ends with the line "May import: the core, asyncrl.X, ...".
+SOURCE_OF = {"generators": ROOT / "generators", "learners": ROOT / "learners", "buffers": ROOT / "buffers"}
+CORE_PACKAGES = {"config"}
+TOP_LEVEL_CAP = 12  # modules beside __init__.py in asyncrl/ (issue 24: the flat drawer of 40 became packages)
+
+
+def _unit_dir(unit: str) -> Path:
+    return SOURCE_OF.get(unit, ROOT / "asyncrl" / unit)
+
+
+def _units() -> tuple[set[str], set[str]]:
+    """(core units, wings): top-level modules and core packages; every other package."""
+    core = {p.stem for p in (ROOT / "asyncrl").glob("*.py") if p.stem != "__init__"} | CORE_PACKAGES
+    wings = {p.parent.name for p in (ROOT / "asyncrl").glob("*/__init__.py")} - CORE_PACKAGES
+    return core, wings | set(SOURCE_OF)
+
+
+def _unit_files(unit: str) -> list[Path]:
+    path = _unit_dir(unit)
+    return sorted(path.rglob("*.py")) if path.is_dir() else [ROOT / "asyncrl" / f"{unit}.py"]
+
+
+def _imported_units(path: Path, units: set[str]) -> dict[str, int]:
+    """asyncrl units that ``path`` imports (lazy imports inside functions count; imports under
+    ``if TYPE_CHECKING:`` do not, since they never run) -> the first line that does."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+            if node.module == "asyncrl":  # from asyncrl import buffers
+                names += [f"asyncrl.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "asyncrl" and len(parts) > 1 and parts[1] in units:
+                found.setdefault(parts[1], node.lineno)
+    return found
+
+
+def _graph() -> dict[str, dict[str, str]]:
+    """unit -> {imported unit: 'file:line' of the first import}."""
+    core, wings = _units()
+    units = core | wings
+    graph: dict[str, dict[str, str]] = {}
+    for unit in sorted(units):
+        edges: dict[str, str] = {}
+        for path in _unit_files(unit):
+            for other, line in _imported_units(path, units).items():
+                if other != unit:
+                    edges.setdefault(other, f"{path.relative_to(ROOT)}:{line}")
+        graph[unit] = edges
+    return graph
+
+
+def _may_import(unit: str) -> set[str]:
+    doc = ast.get_docstring(ast.parse((_unit_dir(unit) / "__init__.py").read_text())) or ""
+    lines = doc.split("May import:")
+    assert len(lines) == 2, f"{unit}/__init__.py: its docstring must end with one 'May import: ...' line"
+    allowed = set()
+    for item in lines[1].replace("\n", " ").rstrip(". ").split(","):
+        item = item.strip().rstrip(".").split(" (")[0]
+        allowed.add("the core" if item == "the core" else item.removeprefix("asyncrl."))
+    return allowed
+
+
+def test_asyncrl_top_level_holds_the_core_only():
+    modules = sorted(p.name for p in (ROOT / "asyncrl").glob("*.py") if p.name != "__init__.py")
+    assert len(modules) <= TOP_LEVEL_CAP, f"{len(modules)} modules at asyncrl/'s top level: {modules}"
+
+
+def test_every_package_names_its_concern_and_what_it_may_import():
+    core, wings = _units()
+    for unit in sorted(wings | CORE_PACKAGES):
+        doc = ast.get_docstring(ast.parse((_unit_dir(unit) / "__init__.py").read_text()))
+        assert doc and len(doc.split()) >= 10, f"{unit}/__init__.py must say what lives there"
+    for unit in sorted(wings):
+        unknown = _may_import(unit) - wings - {"the core"}
+        assert not unknown, f"{unit}: 'May import' names no such package: {sorted(unknown)}"
+
+
+def test_the_core_imports_no_wing():
+    """cli is the front door: it dispatches to every wing (lazily), so it alone is exempt."""
+    core, wings = _units()
+    graph = _graph()
+    bad = {u: {w: at for w, at in graph[u].items() if w in wings} for u in sorted(core - {"cli"})}
+    assert not {u: e for u, e in bad.items() if e}, f"core units importing wings: {bad}"
+
+
+def test_every_wing_imports_only_what_its_docstring_allows():
+    core, wings = _units()
+    graph = _graph()
+    bad = {}
+    for unit in sorted(wings):
+        allowed = _may_import(unit)
+        extra = {w: at for w, at in graph[unit].items() if w in wings and w not in allowed}
+        if "the core" not in allowed:
+            extra |= {c: at for c, at in graph[unit].items() if c in core}
+        if extra:
+            bad[unit] = extra
+    assert not bad, f"imports the package docstrings do not allow: {bad}"
+
+
+def test_no_import_circle_between_units():
+    graph = _graph()
+    done: set[str] = set()
+
+    def visit(unit: str, trail: list[str]) -> list[str] | None:
+        if unit in trail:
+            return trail[trail.index(unit) :] + [unit]
+        if unit in done:
+            return None
+        for other in sorted(graph.get(unit, {})):
+            if other != "cli" and (circle := visit(other, trail + [unit])):
+                return circle
+        done.add(unit)
+        return None
+
+    for unit in sorted(graph):
+        circle = visit(unit, [])
+        assert circle is None, "import circle: " + " -> ".join(
+            f"{a} ({graph[a][b]})" for a, b in zip(circle, circle[1:], strict=False)
+        )

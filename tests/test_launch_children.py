@@ -11,8 +11,8 @@ from test_config import DEMO
 
 from asyncrl.config import load_config
 from asyncrl.errors import UserError
-from asyncrl.launch import Launcher
 from asyncrl.lifetime import JEMALLOC_CONF, Child, jemalloc_env
+from asyncrl.run.launch import Launcher
 
 
 def _exited(tmp_path, role: str, ident: int, code: str) -> Child:

@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 
 from asyncrl import config as config_mod
 from asyncrl.config import AlgorithmConfig, load_config
+from asyncrl.config.presets import PRESETS, from_config, get_preset
 from asyncrl.errors import UserError
 from asyncrl.learners.advantages import ADVANTAGES, overlong_penalty
 from asyncrl.learners.corrections import CORRECTIONS
 from asyncrl.learners.kl import KL_ESTIMATORS
 from asyncrl.learners.objective import Reducer, StepBatch, step_loss
 from asyncrl.learners.policy_losses import AGGREGATIONS, POLICY_LOSSES
-from asyncrl.learners.presets import PRESETS, from_config, get_preset
 from asyncrl.protocol import Sample, TrajectoryGroup
 
 # ----------------------------------------------------------------------------- config -> preset

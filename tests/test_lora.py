@@ -10,10 +10,9 @@ import pytest
 import torch
 from demo_launch import ROOT, demo_launch_cmd
 
-from asyncrl.config import load_config
+from asyncrl.config import LoraConfig, load_config
 from asyncrl.generators.weight_feed import WeightFeed
 from asyncrl.learners.lora import adapter_state, merged_state, with_lora
-from asyncrl.sections import LoraConfig
 from asyncrl.weights.lora import A, B, is_adapter, merge
 from asyncrl.weights.wire import WeightUpdate, state_dict_checksum
 

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from gloo_ranks import run_on_ranks
 from torch import nn
 
+from asyncrl.config.presets import PRESETS, Preset
 from asyncrl.learners.batching import pad_batch, sequence_logprobs
 from asyncrl.learners.objective import DistReducer, Reducer, StepBatch, step_loss
 from asyncrl.learners.policy_losses import AGGREGATIONS
-from asyncrl.learners.presets import PRESETS, Preset
 
 VOCAB, GROUPS, N, MAX_LEN = 11, 5, 4, 6
 SPLIT = ([0, 1, 2], [3, 4])  # groups of rank 0 and rank 1

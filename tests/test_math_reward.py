@@ -1,4 +1,4 @@
-"""``asyncrl.math_reward``: known verdicts on answer pairs, failures that are not zeros, and the
+"""``asyncrl.rewards.math_answer``: known verdicts on answer pairs, failures that are not zeros, and the
 reward served by a real ``asyncrl reward-serve``.
 
 ``tests/data/math_answers.jsonl``: one ``{"answer", "completion", "correct", "kind"}`` per line;
@@ -17,9 +17,9 @@ import pytest
 from test_reward_serve import start_reward_serve
 
 from asyncrl.errors import EpisodeFailure
-from asyncrl.math_reward import math_reward
-from asyncrl.remote_reward import RemoteReward
-from asyncrl.rewards import score
+from asyncrl.rewards.math_answer import math_reward
+from asyncrl.rewards.remote import RemoteReward
+from asyncrl.rewards.resolve import score
 
 PAIRS = [json.loads(line) for line in (Path(__file__).parent / "data" / "math_answers.jsonl").read_text().splitlines()]
 
@@ -57,7 +57,9 @@ def test_bad_records_raise_and_are_never_zero(record: dict, error: type[Exceptio
 
 
 def test_through_reward_serve(tmp_path: Path):
-    server = start_reward_serve(tmp_path, "asyncrl.math_reward:math_reward", "--workers", "1", "--deadline-s", "60")
+    server = start_reward_serve(
+        tmp_path, "asyncrl.rewards.math_answer:math_reward", "--workers", "1", "--deadline-s", "60"
+    )
     try:
 
         async def main():

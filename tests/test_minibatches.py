@@ -23,9 +23,9 @@ from gloo_ranks import run_on_ranks
 from test_loss_split import MAX_LEN, TinyCritic, TinyLM, make_groups
 
 from asyncrl.config import load_config
+from asyncrl.config.presets import PRESETS
 from asyncrl.learners.batching import pad_batch, sequence_logprobs
 from asyncrl.learners.objective import Reducer, StepBatch, step_loss
-from asyncrl.learners.presets import PRESETS
 from asyncrl.learners.worker import Models, Sampling, train_step
 
 TOL = 1e-6

@@ -12,8 +12,8 @@ import pytest
 from demo_launch import ROOT
 
 from asyncrl.errors import UserError
-from asyncrl.metrics import read_metrics
-from asyncrl.offline_data import load_examples
+from asyncrl.observe.metrics import read_metrics
+from asyncrl.offline.data import load_examples
 
 
 def run_mode(mode: str, config: str, tmp_path: Path, *sets: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -132,7 +132,7 @@ def test_a_killed_rank_ends_the_run_with_its_name_and_no_rank_left_behind(tmp_pa
         deadline, ranks = time.monotonic() + 120, {}
         while time.monotonic() < deadline and len(ranks) < 2:
             for child in psutil.Process(launcher.pid).children():
-                if "asyncrl.learners.offline" in " ".join(child.cmdline()):
+                if "asyncrl.offline.train" in " ".join(child.cmdline()):
                     ranks[child.environ()["RANK"]] = child
             time.sleep(0.2)
         assert len(ranks) == 2, "the two ranks never started"

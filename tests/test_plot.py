@@ -12,7 +12,7 @@ from PIL import Image
 
 from asyncrl.cli import main
 from asyncrl.errors import UserError
-from asyncrl.plot import dashboard, load_run, panel_buffer, panel_failures, panel_staleness, samples_per_s
+from asyncrl.observe.plot import dashboard, load_run, panel_buffer, panel_failures, panel_staleness, samples_per_s
 
 matplotlib.use("Agg")
 
@@ -62,7 +62,7 @@ def test_rates_and_histogram_come_from_the_records(tmp_path):
     rates = samples_per_s(run.having("time", "learner/samples"), window=5)
     assert [r["learner/version"] for r, _ in rates] == [6, 7, 8]
     assert [v for _, v in rates] == pytest.approx([5 * 64 / 15] * 3)  # a step every 3 s, 64 samples each
-    from asyncrl.plot import staleness_counts
+    from asyncrl.observe.plot import staleness_counts
 
     assert staleness_counts(run) == ({0: 4, 1: 4}, "steps (max)")  # no summary: the steps' max staleness
     run.summary = {"staleness_histogram": {"0": 5, "2": 1}}

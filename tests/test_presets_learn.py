@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from demo_launch import ROOT, demo_launch_cmd
 
-from asyncrl.learners.presets import PRESETS
+from asyncrl.config.presets import PRESETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 

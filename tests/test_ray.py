@@ -25,7 +25,7 @@ import pytest
 from conftest import in_ci
 from demo_launch import ROOT, demo_launch_cmd
 
-from asyncrl.ray_backend import (
+from asyncrl.run.ray_backend import (
     ACTOR_LOST,
     EXIT_MARK,
     exit_code_in_log,
@@ -33,7 +33,7 @@ from asyncrl.ray_backend import (
     learner_bundle,
     rendezvous_env,
 )
-from asyncrl.status import pid_alive
+from asyncrl.rundir import pid_alive
 
 RAY = Path(sys.executable).with_name("ray")
 CLUSTER_START_S = 120  # two raylets and a GCS on 2 busy cores start in ~10 s; generous for a loaded CI box

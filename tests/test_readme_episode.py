@@ -12,7 +12,7 @@ from demo_launch import ROOT
 from test_episodes import TOK, make_ctx, scripted
 
 from asyncrl.config import EpisodeConfig
-from asyncrl.episodes import load_episode, run_episode
+from asyncrl.episodes.api import load_episode, run_episode
 
 
 def readme_example(tmp_path):

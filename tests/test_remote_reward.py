@@ -20,9 +20,9 @@ from aiohttp import web
 from test_reward_serve import Served, start_reward_serve
 
 from asyncrl.errors import EpisodeFailure, UserError
-from asyncrl.redis_server import free_loopback_port
-from asyncrl.remote_reward import SCHEMA, TOKEN_ENV, VERSION, RemoteReward
-from asyncrl.rewards import load_reward, score
+from asyncrl.fleet.redis_server import free_loopback_port
+from asyncrl.rewards.remote import SCHEMA, TOKEN_ENV, VERSION, RemoteReward
+from asyncrl.rewards.resolve import load_reward, score
 
 TOKEN = "test-token-123"
 

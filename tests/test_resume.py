@@ -26,7 +26,7 @@ import pytest
 from demo_launch import ROOT, demo_launch_cmd
 from test_supervision import latest_version, wait_for
 
-from asyncrl.status import pid_alive
+from asyncrl.rundir import pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 STEPS = 40
@@ -174,7 +174,7 @@ def _ended_run_dir(tmp_path, committed: int | None) -> Path:
 
 def test_resume_reads_the_run_directory_and_refuses_what_it_cannot_continue(tmp_path):
     from asyncrl.errors import UserError
-    from asyncrl.resume import check_resumable, load_resume_point
+    from asyncrl.run.resume import check_resumable, load_resume_point
 
     point = load_resume_point(_ended_run_dir(tmp_path, committed=20))
     assert (point.run_id, point.prefix, point.redis_password, point.committed_version) == (

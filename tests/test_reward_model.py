@@ -1,5 +1,5 @@
 """A reward model ``asyncrl rm`` exported, as a run's reward (``data.reward: rm:<dir>``,
-asyncrl.reward_model): it scores what the trained model scores, concurrent calls share one forward,
+asyncrl.rewards.model): it scores what the trained model scores, concurrent calls share one forward,
 its throughput is counted, and a directory that is no such export is one clear error."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 
 from asyncrl.errors import UserError
 from asyncrl.learners.offline_losses import RewardModel, pad_pairs
-from asyncrl.reward_model import MAX_BATCH, REWARD_HEAD, SETTINGS, RewardModelReward
-from asyncrl.rewards import load_reward
+from asyncrl.rewards.model import MAX_BATCH, REWARD_HEAD, SETTINGS, RewardModelReward
+from asyncrl.rewards.resolve import load_reward
 
 
 @pytest.fixture(scope="module")

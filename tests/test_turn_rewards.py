@@ -12,9 +12,9 @@ import pytest
 import torch
 from test_episodes import make_ctx, scripted
 
-from asyncrl.episodes import env_episode, run_episode
+from asyncrl.config.presets import get_preset
+from asyncrl.episodes.api import env_episode, run_episode
 from asyncrl.learners.advantages import AdvantageConfig, AdvantageInput, get_advantage, token_level_rewards
-from asyncrl.learners.presets import get_preset
 from asyncrl.learners.worker import make_batch
 from asyncrl.protocol import ProtocolError, Sample, TrajectoryGroup, decode_group, encode_group
 

@@ -12,7 +12,7 @@ from metrics_fixtures import demo_records
 
 from asyncrl.config import load_config
 from asyncrl.errors import UserError
-from asyncrl.metrics import check_wandb, open_sinks, read_metrics
+from asyncrl.observe.metrics import check_wandb, open_sinks, read_metrics
 
 
 def read_wandb_history(path) -> list[dict]:

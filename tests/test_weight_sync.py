@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.run_stats import WeightSync
+from asyncrl.run.stats import WeightSync
 
 
 def step(version: int, end: float) -> dict:

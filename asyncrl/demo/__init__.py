@@ -5,5 +5,8 @@ tiny Llama up on each (``configs/demo-cpu.yaml``, ``demo-calc.yaml``, ``demo-gue
 * ``calc``: arithmetic solved by calling a calculator tool (a two-turn tool episode).
 * ``guess``: find a secret number from higher/lower replies (a gym-shaped Env, up to 4 turns).
 * ``latency``: the environment-latency setting both agentic tasks share (fixed or log-normal).
-* ``model``, ``warmup``: the recipes (byte tokenizer, tiny Llama, a short supervised warm-up).
+* ``model``, ``warmup``: the recipes (byte tokenizer, tiny Llama, a short supervised warm-up);
+  ``recipes``: building one once into the model cache.
+
+May import: the core, asyncrl.episodes, asyncrl.generators.
 """

@@ -26,10 +26,10 @@ import re
 from typing import TYPE_CHECKING
 
 from asyncrl.demo import latency, sort
-from asyncrl.tools import tool
+from asyncrl.episodes.tools import tool
 
 if TYPE_CHECKING:
-    from asyncrl.episodes import Context
+    from asyncrl.episodes.api import Context
 
 PREFIX, SUFFIX = "calc:", "="
 OPS = "+-*"

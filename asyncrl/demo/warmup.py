@@ -16,7 +16,7 @@ GRPO amplifies. The mistakes:
 Loss is only on model-turn tokens and their ``</s>``, never on prompt or observation tokens.
 
 Measurement plays the same episode code the generators run (``asyncrl.demo.calc:episode``, the guess
-``Env`` through ``asyncrl.episodes.env_episode``) with a transformers ``complete``: every live episode's
+``Env`` through ``asyncrl.episodes.api.env_episode``) with a transformers ``complete``: every live episode's
 next turn is decoded in one batch per context length, episodes in lockstep, so a seed gives the same
 figures every time.
 """
@@ -219,8 +219,8 @@ class _LockstepModel:
 
 def _episode_parts(recipe: Recipe, options: dict):
     """(episode, tools, parser, reward) of the recipe, as its config loads them."""
-    from asyncrl.episodes import env_episode
-    from asyncrl.tools import parse_simple
+    from asyncrl.episodes.api import env_episode
+    from asyncrl.episodes.tools import parse_simple
 
     if recipe.name == "demo-calc":
         return calc.episode, {"calc": calc.calc}, parse_simple, calc.reward
@@ -233,7 +233,7 @@ async def _play_async(model, tokenizer, recipe: Recipe, records: Sequence[dict],
 
     from asyncrl.chat import ChatTokens
     from asyncrl.config import EpisodeConfig
-    from asyncrl.episodes import Context, run_episode
+    from asyncrl.episodes.api import Context, run_episode
 
     generator = torch.Generator().manual_seed(seed)
     lockstep = _LockstepModel(model, tokenizer, temperature, generator)
@@ -271,7 +271,7 @@ async def _play_async(model, tokenizer, recipe: Recipe, records: Sequence[dict],
 
 def play(model, tokenizer, recipe: Recipe, records: Sequence[dict], temperature: float = 0.0, seed: int = 0):
     """Play one episode of each record with ``model`` (transformers): ``(Context, Outcome)`` of each, in
-    order (see ``asyncrl.episodes``). Temperature 0 is greedy."""
+    order (see ``asyncrl.episodes.api``). Temperature 0 is greedy."""
     was_training = model.training
     model.eval()
     try:

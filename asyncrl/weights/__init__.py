@@ -18,6 +18,8 @@ secret, see ``curve``), same-host shared memory (``shm``: ``shm://<dir>``, see `
 GPU-to-GPU broadcast (``nccl``: a ``tcp://`` control address, see ``collective_bus``); the two
 socket transports share one control plane (``control_plane``). ``MemoryWeightBus``
 (``memory://name``) is the in-process stub. The wire format is documented in ``wire``.
+
+May import: the core.
 """
 
 from __future__ import annotations

@@ -58,11 +58,11 @@ async def sustained_rate(engine, tokenizer, inflight: int, steps: int, latency_s
     ``inflight`` kept running, and the engine's idle share over the window."""
     from asyncrl.chat import ChatTokens
     from asyncrl.config import EpisodeConfig
-    from asyncrl.episodes import Context, env_episode, run_episode
+    from asyncrl.episodes.api import Context, env_episode, run_episode
+    from asyncrl.episodes.tools import load_parser
     from asyncrl.generators.engine import Sampling
     from asyncrl.generators.scheduler import EnginePump
     from asyncrl.generators.weight_feed import WeightFeed
-    from asyncrl.tools import load_parser
     from asyncrl.weights import MemoryWeightBus
 
     feed = WeightFeed(MemoryWeightBus().subscriber("bench", have=0), _NoMetrics(), lambda **_: None)

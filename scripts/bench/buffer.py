@@ -48,8 +48,8 @@ import redis
 
 from asyncrl.buffers import run_prefix
 from asyncrl.buffers.redis_buffer import RedisBuffer
+from asyncrl.fleet.redis_server import start_redis_server
 from asyncrl.protocol import Sample, TrajectoryGroup, decode_group, encode_group
-from asyncrl.redis_server import start_redis_server
 
 GROUP = "learners"
 Frames = list[tuple[str, bytes]]

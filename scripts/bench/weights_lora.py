@@ -14,8 +14,8 @@ def lora_states(path: str, rank: int) -> tuple[dict, dict, float]:
     """(the model's full state dict, a rank ``rank`` adapter of it with B random, alpha / rank)."""
     from transformers import AutoModelForCausalLM
 
+    from asyncrl.config import LoraConfig
     from asyncrl.learners.lora import adapter_state, with_lora
-    from asyncrl.sections import LoraConfig
     from asyncrl.weights.ties import untied
 
     model = AutoModelForCausalLM.from_pretrained(path)

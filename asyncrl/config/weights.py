@@ -1,0 +1,78 @@
+"""``weights``: the weight bus from learner rank 0 to the generators, chosen by its ``type`` (zmq, shm, nccl)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from asyncrl.config.base import Section, _type_or
+
+
+class _WeightsBase(Section):
+    bucket_mb: int = Field(
+        64,
+        ge=1,
+        description="Bucket size of the bucketed state dict (MiB). A zmq relay chain uses at most 8 MiB (its "
+        "pipeline is as deep as a version has buckets).",
+    )
+
+
+class ZmqWeightsConfig(_WeightsBase):
+    type: Literal["zmq"] = Field("zmq", description="ZeroMQ from learner rank 0 to generators (tcp/ipc, any host).")
+    relay: bool = Field(
+        False,
+        description="Generators relay each version's buckets to one another (a pipelined chain), so the "
+        "publisher sends it about once whatever the fleet size; false: the publisher sends it to every one.",
+    )
+
+
+class ShmWeightsConfig(_WeightsBase):
+    type: Literal["shm"] = Field(
+        "shm",
+        description="Same host only: each version is written once to shared memory and mapped by every generator.",
+    )
+    dir: str = Field(
+        "/dev/shm",
+        min_length=1,
+        description="tmpfs directory for the versions; needs room for about three versions "
+        "(Docker's default /dev/shm is 64 MB: raise --shm-size).",
+    )
+    verify: Literal["structure", "full"] = Field(
+        "structure",
+        description="What each generator checks. structure: header, manifest, sizes and extents, O(tensors); the "
+        "bytes were hashed once by the publisher. full: also re-hash every byte in every generator, O(bytes) each.",
+    )
+
+
+class NcclWeightsConfig(_WeightsBase):
+    type: Literal["nccl"] = Field(
+        "nccl",
+        description="CUDA only: buckets broadcast GPU to GPU over a process group of learner rank 0 and the "
+        "generators, re-formed whenever one joins or leaves.",
+    )
+    timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="The longest a group formation or one bucket's broadcast may take; a dead or stopped generator "
+        "stalls the others for about this long before the group is re-formed without it.",
+    )
+
+    @model_validator(mode="after")
+    def _needs_cuda(self) -> NcclWeightsConfig:
+        import torch  # only here: importing the config must stay cheap
+
+        if not (torch.cuda.is_available() and torch.distributed.is_nccl_available()):
+            raise ValueError(
+                "weights.type=nccl needs CUDA GPUs and a torch build with NCCL; "
+                "this machine has none: use weights.type=zmq (any host) or shm (same host)"
+            )
+        return self
+
+
+WeightsConfig = Annotated[
+    Annotated[ZmqWeightsConfig, Tag("zmq")]
+    | Annotated[ShmWeightsConfig, Tag("shm")]
+    | Annotated[NcclWeightsConfig, Tag("nccl")],
+    Discriminator(_type_or("zmq")),
+]

@@ -1,0 +1,224 @@
+"""Metrics sinks and the one logging setup.
+
+Child processes emit namespaced records (``learner/loss``, ``generator/tokens_per_s``,
+``buffer/staleness_mean``) through :class:`RedisSink`; the launcher is the single writer of
+``metrics.jsonl`` (:class:`JsonlSink`), so records from many processes never interleave mid-line.
+It logs the same records to TensorBoard event files in ``runs/<name>/tensorboard/``
+(:class:`TensorBoardSink`) and, with ``run.wandb: offline``, to a Weights & Biases offline run
+(:class:`WandbSink`): every numeric field a scalar under its own name, at the record's policy version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from asyncrl.errors import UserError
+
+# the field that names a record's policy version, by kind of record (the first one present wins)
+VERSION_FIELDS = ("learner/version", "eval/version", "generator/version", "weights/version", "checkpoint/version")
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The record's numeric fields, by name. Not ``time`` (the wall time of the point) nor ``*_at``
+    fields: absolute clocks, which a float32 scalar rounds to minutes."""
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and k != "time" and not k.endswith("_at")
+    }
+
+
+class _Stepper:
+    """A record's step: its own policy version, else the newest learner version logged before it
+    (records of no version, such as the buffer's, plot where the run was; a resumed launch starts
+    from the version its predecessor logged last)."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+
+    def step(self, record: dict) -> int:
+        for field in VERSION_FIELDS:
+            if isinstance(record.get(field), int | float):
+                if field == "learner/version":
+                    self.version = int(record[field])
+                return int(record[field])
+        return self.version
+
+
+class JsonlSink:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._f = self.path.open("a", buffering=1)
+
+    def log(self, record: dict) -> None:
+        self._f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorBoardSink:
+    """TensorBoard scalars of every record, to a new events file in ``logdir`` per launch."""
+
+    def __init__(self, logdir: str | Path, version: int = 0):
+        from asyncrl.observe.tensorboard import EventWriter
+
+        self.writer = EventWriter(logdir)
+        self.stepper = _Stepper(version)
+
+    def log(self, record: dict) -> None:
+        step = self.stepper.step(record)
+        self.writer.scalars(step, scalars(record), float(record.get("time") or time.time()))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """Every record to a Weights & Biases run: its scalars and ``version`` (the x axis every namespace
+    is plotted against: records of different processes arrive out of version order, so W&B's own
+    monotonic step cannot be the version)."""
+
+    def __init__(self, run, version: int = 0):
+        self.run = run
+        self.stepper = _Stepper(version)
+        self.defined: set[str] = set()
+        run.define_metric("version")
+
+    def log(self, record: dict) -> None:
+        values = scalars(record)
+        if not values:
+            return
+        for name in values:
+            pattern = f"{name.split('/', 1)[0]}/*" if "/" in name else name
+            if pattern not in self.defined:  # W&B globs are prefixes only: one per namespace
+                self.run.define_metric(pattern, step_metric="version")
+                self.defined.add(pattern)
+        self.run.log({**values, "version": self.stepper.step(record)})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def check_wandb(mode: str) -> None:
+    """``run.wandb`` can be served here (without importing wandb: that takes seconds); else one error."""
+    import importlib.util
+
+    if mode != "off" and importlib.util.find_spec("wandb") is None:
+        raise UserError(f"run.wandb is {mode!r} but wandb is not installed: pip install 'asyncrl[wandb]'")
+
+
+def open_wandb(mode: str, run_dir: Path, name: str, config: dict, version: int = 0) -> WandbSink:
+    """A W&B run of this launch in ``run_dir/wandb`` (``wandb sync`` uploads it later)."""
+    check_wandb(mode)
+    import wandb
+
+    # silent, and console="off": W&B must not wrap the launcher's stdout and stderr (its live line)
+    settings = wandb.Settings(silent=True, console="off", disable_git=True)
+    run = wandb.init(
+        mode=mode, dir=str(run_dir), project="asyncrl", name=name, group=name, config=config, settings=settings
+    )
+    return WandbSink(run, version)
+
+
+class Sinks:
+    """Each record to ``primary`` (``metrics.jsonl``: its errors are the caller's) and to every extra
+    sink; an extra sink that fails is logged once and dropped, so a viewer's file never stops a run."""
+
+    def __init__(self, primary, *extras):
+        self.primary = primary
+        self.extras = list(extras)
+
+    def log(self, record: dict) -> None:
+        self.primary.log(record)
+        for sink in list(self.extras):
+            try:
+                sink.log(record)
+            except Exception:
+                logging.getLogger(__name__).exception("metrics sink %s failed: dropped", type(sink).__name__)
+                self.extras.remove(sink)
+
+    def close(self) -> None:
+        self.primary.close()
+        for sink in self.extras:
+            try:
+                sink.close()
+            except Exception:  # the run is over and metrics.jsonl is whole: say so, do not fail the exit
+                logging.getLogger(__name__).exception("metrics sink %s failed to close", type(sink).__name__)
+
+
+def open_sinks(run, run_dir: Path, version: int = 0) -> Sinks:
+    """The launcher's sinks for ``run`` (a ``RunConfig``): ``metrics.jsonl`` (appended to: a resumed
+    run's history goes on), ``tensorboard/`` (a new events file per launch), and W&B if asked for.
+    ``version``: the last learner version of the launch this one resumes."""
+    extras: list = [TensorBoardSink(run_dir / "tensorboard", version)]
+    if run.wandb != "off":
+        extras.append(open_wandb(run.wandb, run_dir, run.name, run.model_dump(), version))
+    return Sinks(JsonlSink(run_dir / "metrics.jsonl"), *extras)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The JSON-object lines of ``path`` (none if it is missing; a torn last line is skipped)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+class RedisSink:
+    """Sends records to the launcher through the run's Redis ``metrics`` stream."""
+
+    def __init__(self, control, source: str):
+        self.control = control
+        self.source = source
+
+    def log(self, record: dict) -> None:
+        self.control.emit({"time": time.time(), "source": self.source, **record})
+
+    def close(self) -> None:
+        pass
+
+
+class Timings:
+    """Named phase timings of a loop (torchbeast's ``prof.Timings`` habit): ``reset()`` at the top of an
+    iteration, ``time("collect")`` at the end of each phase records the seconds since the last mark."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def reset(self) -> None:
+        self.seconds = {}
+        self._last = time.perf_counter()
+
+    def time(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def record(self, prefix: str = "time/") -> dict[str, float]:
+        """``{"time/<phase>_s": seconds}`` of the current iteration."""
+        return {f"{prefix}{phase}_s": s for phase, s in self.seconds.items()}
+
+
+def setup_logging(log_file: str | Path | None = None, name: str = "asyncrl", level: int = logging.INFO) -> None:
+    """One format for every process: to its own file in the run directory, else stderr."""
+    handler: logging.Handler = (
+        logging.FileHandler(log_file) if log_file is not None else logging.StreamHandler(sys.stderr)
+    )
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)

@@ -1,0 +1,494 @@
+"""The local launcher: one redis-server, L learner ranks and G generators as OS processes.
+
+It owns the run directory and is the only writer of ``metrics.jsonl`` and ``summary.json``.
+Supervision rules:
+- a generator that dies is restarted (up to ``run.max_generator_restarts`` times in all);
+- a learner rank that dies takes the others with it (they would hang in a collective): every
+  rank restarts from the last committed checkpoint (up to ``learner.max_restarts`` times), and
+  every generator restarts with it, so none serves weights the restart threw away; past the
+  budget the run stops with an error naming the log;
+- the run's own redis-server, if it dies, is restarted on the same port from its append-only
+  file (up to ``run.max_redis_restarts`` times); clients reconnect by themselves;
+- Ctrl-C (or SIGTERM) stops every child it started, by process group, flushes metrics and writes
+  the summary; the exit code is 0 only when the run completed (with its final evaluation, if it has one).
+Children run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then
+stops them in order: generators and learners first, redis-server last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from asyncrl.buffers.base import BufferUnavailableError, lost_groups, unfinished_groups
+from asyncrl.config import Config, dump_config
+from asyncrl.control import RunControl, connect
+from asyncrl.errors import UserError
+from asyncrl.fleet.redis_server import free_loopback_port
+from asyncrl.fleet.rendezvous import engine_env, publish_run, wait_for_leaves, watch_fleet
+from asyncrl.keys import MASTER_FIELD
+from asyncrl.learners.checkpoint import read_committed
+from asyncrl.lifetime import Child, die_with, exit_soon, jemalloc_env, live_processes, signal_processes, stop_processes
+from asyncrl.net import interface_of, is_loopback, url_address
+from asyncrl.run.preflight import check_prompt_lengths, external_redis_url, in_background, preflight
+from asyncrl.run.resume import ResumePoint, reset_for_resume
+from asyncrl.run.stats import Progress, RunStats
+from asyncrl.rundir import write_atomic
+from asyncrl.secret import ENV as SECRET_ENV
+from asyncrl.secret import new_secret, read_secret, redis_password, write_secret
+
+STOP_GRACE_S = 10.0  # children get this long to leave on their own before SIGTERM, then SIGKILL
+DEFER_LIMIT_S = 60.0  # generators held back at spawn (see Launcher.spawn) start after this at the latest
+OWN_REDIS_RETRIES = 1  # the launcher's clients of the redis-server it runs (see Launcher.run)
+FINAL_EVAL_TIMEOUT_S = 180.0  # after the learners finish, how long the final evaluation may take
+
+
+def _has_cuda() -> bool:
+    """Without importing torch (slow): a CUDA driver exposes /proc/driver/nvidia."""
+    return os.path.exists("/proc/driver/nvidia/version")
+
+
+class Launcher:
+    def __init__(self, cfg: Config, redis_url: str | None = None, console=None, resume: ResumePoint | None = None):
+        self.cfg = cfg
+        self.resume = resume  # continue the run in cfg.run_dir (asyncrl.run.resume) instead of starting one
+        self.redis_url = redis_url or external_redis_url(cfg)
+        self.run_dir = cfg.run_dir
+        self.console = console
+        self.children: list[Child] = []
+        self.restarts = 0
+        self.learner_restarts = 0
+        self.redis_restarts = 0
+        self.redis = None
+        self.run_info: dict = {}
+        self.buffer = None
+        self.chores: list = []  # waits for the start-up's background checks (preflight.in_background)
+        self.stats: RunStats | None = None
+        self.secret = ""
+        self.learner_master = ""  # host:port of the learners' rendezvous
+        self.fleet: set[str] = set()  # the live generators, as of the last look
+        self.deferred: list[Child] = []  # generators not started yet (see spawn)
+        self.deferred_until = 0.0  # when they start anyway
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def prepare_run_dir(self) -> Path:
+        """The run directory, private to this user (0700: it holds the weights, every trajectory in the
+        AOF and the Redis URL), with the resolved config in it (secrets redacted)."""
+        alive = live_processes(self.run_dir)
+        if alive:
+            listed = ", ".join(f"{name} (pid {pid})" for name, pid in alive.items())
+            raise UserError(f"run directory {self.run_dir} belongs to a launch that still runs: {listed}")
+        if self.resume is None and self.run_dir.exists() and not self.cfg.run.overwrite:
+            raise UserError(
+                f"run directory {self.run_dir} exists: continue it with --resume {self.run_dir}, or start "
+                f"it over with --set run.overwrite=true, or pick another run.name"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.chmod(0o700)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        if self.resume is None:
+            for stale in ("metrics.jsonl", "summary.json"):
+                (self.run_dir / stale).unlink(missing_ok=True)
+            for stale in ("checkpoint", "export", "redis"):  # a restarted learner must never resume an old run
+                shutil.rmtree(self.run_dir / stale, ignore_errors=True)
+            for stale in ("tensorboard", "wandb"):  # the metrics of the run this one starts over
+                shutil.rmtree(self.run_dir / stale, ignore_errors=True)
+        return write_secret(self.run_dir / "config.yaml", dump_config(self.cfg), newline=False)
+
+    def take_secret(self) -> str:
+        """The run's secret (``asyncrl.secret``): the resumed run's own, else ``$ASYNCRL_SECRET``, else a
+        new one; kept in ``runs/<name>/secret`` (0600) for ``asyncrl generator --run`` and resumes."""
+        path = self.run_dir / "secret"
+        secret = read_secret(path) if self.resume is not None and path.exists() else None
+        secret = secret or read_secret() or new_secret()
+        write_secret(path, secret)
+        return secret
+
+    def start_redis(self) -> str:
+        if self.redis_url:
+            return self.redis_url
+        from asyncrl.fleet.redis_server import start_redis_server
+
+        workdir, password = (self.run_dir / "redis").resolve(), redis_password(self.secret)
+        if self.resume is not None:  # the same data (the AOF) and password; a new port
+            workdir, password = self.resume.redis_dir, self.resume.redis_password
+        host = None if is_loopback(self.cfg.run.host) else self.cfg.run.host
+        self.redis = start_redis_server(
+            workdir, password=password, host=host, port=self.cfg.run.redis_port, preexec_fn=die_with(os.getpid())
+        )
+        return self.redis.url
+
+    def child_env(self, url: str, prefix: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(ASYNCRL_REDIS_URL=url, ASYNCRL_PREFIX=prefix, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env[SECRET_ENV] = self.secret  # the environment, never the command line: ps shows that
+        # JIT-built ops (DeepSpeed's CPU shm allreduce) per environment: one machine-wide cache is
+        # rebuilt (minutes) whenever another checkout's environment used it last
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+        return env
+
+    def learner_env(self, base: dict[str, str]) -> dict[str, str]:
+        """The learner ranks' environment: ``base``, on jemalloc where asked and installed."""
+        if not self.cfg.learner.jemalloc:
+            return base
+        env = jemalloc_env(base)
+        if env is None:
+            self.log("learner.jemalloc: no libjemalloc.so.2 (apt install libjemalloc2); learners use glibc malloc")
+            return base
+        return env
+
+    @property
+    def pin_cpus(self) -> bool:
+        return self.cfg.run.cpu_scheduling and not _has_cuda()
+
+    @property
+    def generator_nice(self) -> int:
+        return self.cfg.run.generator_nice if self.pin_cpus else 0
+
+    def spawn(self, config_path: Path, url: str, prefix: str) -> None:
+        cfg, logs = self.cfg, self.run_dir / "logs"
+        base = self.child_env(url, prefix)
+        learner_env = self.learner_env(base)
+        master_port = str(free_loopback_port())
+        ncpu, local = os.cpu_count() or 1, cfg.run.learners - cfg.run.remote_learners
+        # the rendezvous store listens on this address only (learners.engine), gloo's pair sockets on
+        # its interface: loopback, unless ranks on other hosts join (`asyncrl learner`)
+        master, ifname = "127.0.0.1", base.get("GLOO_SOCKET_IFNAME", "lo")
+        if cfg.run.remote_learners:
+            master, ifname = cfg.run.host, interface_of(cfg.run.host)
+        self.learner_master = f"{master}:{master_port}"
+        for rank in range(local):
+            env = dict(
+                learner_env,
+                MASTER_ADDR=master,
+                MASTER_PORT=master_port,
+                GLOO_SOCKET_IFNAME=ifname,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(cfg.run.learners),
+                LOCAL_WORLD_SIZE=str(local),
+            )
+            log_path = logs / f"learner-{rank}.log"
+            cmd = [
+                sys.executable,
+                "-m",
+                "asyncrl.learners.worker",
+                "--config",
+                str(config_path),
+                "--log-file",
+                str(log_path),
+            ]
+            pin = {rank % ncpu} if self.pin_cpus else None
+            self.children.append(Child("learner", rank, cmd, env, log_path, cpus=pin))
+        for i in range(cfg.run.generators):
+            env = dict(base, **engine_env(cfg.generator.engine, core=i % ncpu))
+            log_path = logs / f"generator-{i}.log"
+            cmd = [
+                sys.executable,
+                "-m",
+                "asyncrl.generators.worker",
+                "--config",
+                str(config_path),
+                "--id",
+                str(i),
+                "--log-file",
+                str(log_path),
+            ]
+            child = Child("generator", i, cmd, env, log_path, nice=self.generator_nice, nice_when_up=i == 0)
+            self.children.append(child)
+        if self.pin_cpus and ncpu < local + cfg.run.generators:
+            # start-ups compete for the cores, and the first learner step waits for the learners and ONE
+            # generator: the others start once the learners are ready (their CPU is free again) or that
+            # generator is up (or gone, or late)
+            self.deferred = [c for c in self.children if c.role == "generator" and c.ident > 0]
+            self.deferred_until = time.monotonic() + DEFER_LIMIT_S
+        for child in self.children:
+            if child not in self.deferred:
+                child.start()
+
+    def start_deferred(self, control: RunControl) -> None:
+        """Start the generators spawn held back once the learners are ready (rank 0 advertises its weights),
+        or generator 0 serves (is in the fleet) or exited, or they are late."""
+        first = next((c for c in self.children if c.role == "generator" and c.ident == 0), None)
+        if not self.deferred or first is None:
+            return
+        ready = "0" in self.fleet or first.proc.poll() is not None or time.monotonic() > self.deferred_until
+        if ready or control.get_meta("weights_address") is not None:
+            for c in self.deferred:
+                c.start()
+            self.deferred = []
+            self.write_run_info()
+
+    # -- supervision -------------------------------------------------------------------------------
+    def check_children(self, control: RunControl) -> str | None:
+        """Restart what died (see the module doc); return an exit reason when the run must end."""
+        self.check_redis()
+        learners = [c for c in self.children if c.role == "learner"]
+        dead = [c for c in learners if c.proc.poll() not in (None, 0)]
+        if dead:
+            # one rank's death fails the others' collectives (exit 1) within the same poll: name the
+            # rank a signal killed, the cause, before those that exited because of it
+            dead.sort(key=lambda c: c.proc.returncode >= 0)
+            self.restart_learners(control, dead[0])
+            return None
+        if all(c.proc.poll() == 0 for c in learners):
+            return "learners_done"
+        for c in self.children:
+            if c.role == "generator" and c.proc is not None and c.proc.poll() is not None:
+                self.restarts += 1
+                if self.restarts > self.cfg.run.max_generator_restarts:
+                    raise UserError(
+                        f"{c.name} exited with code {c.proc.returncode} and the restart budget "
+                        f"({self.cfg.run.max_generator_restarts}) is spent; see {c.log_path}:\n{c.log_tail()}"
+                    )
+                self.log(f"{c.name} exited with code {c.proc.returncode}; restarting ({self.restarts})")
+                self.release_held(c)
+                c.incarnation += 1
+                c.start()
+                self.write_run_info()
+        return None
+
+    def watch_fleet(self, control: RunControl) -> None:
+        try:
+            self.fleet = watch_fleet(control, self.buffer, self.fleet, self.log)
+        except redis.RedisError:  # redis-server died since check_redis: the next poll restarts it
+            return
+        self.stats.fleet = len(self.fleet)
+
+    def advertised_redis(self, url: str) -> str:
+        """host:port where processes of other hosts reach the run's Redis (loopback unless run.host)."""
+        if self.redis is None or is_loopback(self.cfg.run.host):
+            return url_address(url)
+        return f"{self.cfg.run.host}:{self.redis.port}"
+
+    def release_held(self, c: Child) -> None:
+        """A dead generator's admitted-but-unpushed groups would hold admission slots forever."""
+        self.buffer.release_held(str(c.ident))
+
+    def restart_learners(self, control: RunControl, failed: Child) -> None:
+        code = failed.proc.returncode
+        self.learner_restarts += 1
+        if self.cfg.run.remote_learners:
+            raise UserError(
+                f"{failed.name} exited with code {code}; a run with learner ranks on other hosts is not restarted "
+                f"(resume it with --resume {self.run_dir}); see {failed.log_path}:\n{failed.log_tail()}"
+            )
+        if self.learner_restarts > self.cfg.learner.max_restarts:
+            raise UserError(f"{failed.name} exited with code {code}; see {failed.log_path}:\n{failed.log_tail()}")
+        committed = read_committed(self.run_dir / "checkpoint")
+        start = committed["version"] if committed is not None else 0
+        self.log(
+            f"{failed.name} exited with code {code}; restarting every learner rank from version {start} "
+            f"and every generator ({self.learner_restarts}/{self.cfg.learner.max_restarts})"
+        )
+        self.end_for_restart()
+        self.remove_stale_weights()
+        for c in self.children:
+            if c.role == "generator":
+                self.release_held(c)
+                c.incarnation += 1
+        control.forget_meta("weights_address")  # generators wait for the new publisher's
+        self.new_rendezvous()
+        self.deferred = []  # all start now
+        for c in self.children:
+            c.start()
+        self.write_run_info()
+
+    # -- how processes end and meet: a backend's own (asyncrl.run.ray_backend overrides them) -----------
+    def end_for_restart(self) -> None:
+        """End every process of the run now (a learner restart starts them all again)."""
+        stop_processes(self.children)
+
+    def new_rendezvous(self) -> None:
+        """A fresh rendezvous port for the restarted learner ranks."""
+        port = str(free_loopback_port())
+        for c in self.children:
+            if c.role == "learner":
+                c.env.update(MASTER_PORT=port)
+
+    def end_children(self, grace_s: float) -> None:
+        """Give the run's processes ``grace_s`` to leave on their own, then end them. Generators are told
+        at once: their SIGTERM is the run's stop (the same clean leave), seen without waiting for their next
+        tick, or for the end of a start-up that would serve nothing (its default action, before the handler)."""
+        signal_processes([c for c in self.children if c.role == "generator"], signal.SIGTERM)
+        stop_processes(self.children, grace_s=grace_s)
+
+    def check_redis(self) -> None:
+        if self.redis is None or self.redis.is_running():
+            return
+        self.redis_restarts += 1
+        if self.redis_restarts > self.cfg.run.max_redis_restarts:
+            raise UserError(f"redis-server died {self.redis_restarts} times; its log:\n{self.redis.log_tail()}")
+        self.log(f"redis-server died; restarting it from its append-only file ({self.redis_restarts})")
+        self.redis.restart()
+        self.run_info["redis_pid"] = self.redis.pid
+        self.write_run_info()
+
+    def write_run_info(self) -> None:
+        """``run.json``: the run's Redis prefix and the pids of every process this launcher started. Written
+        atomically: ``asyncrl status``, a resume, a joining fleet member and a relaunch read it while the run
+        goes on, and a truncated file in between is no run at all to them."""
+        pids = {c.name: c.proc.pid for c in self.children if c.proc is not None}
+        write_atomic(self.run_dir / "run.json", json.dumps({**self.run_info, "pids": pids}, indent=2) + "\n")
+
+    def stop_children(self, control: RunControl | None, reason: str) -> None:
+        if control is not None:
+            try:
+                control.request_stop(reason)
+            except Exception:  # redis may be the thing that failed
+                pass
+        self.end_children(STOP_GRACE_S)
+        if control is not None:
+            wait_for_leaves(control, STOP_GRACE_S, self.log)
+
+    def remove_stale_weights(self) -> None:
+        """Shared-memory weight versions of publishers that died without cleaning up (SIGKILL), this
+        run's or any earlier one's on this host: in the default tmpfs and in this run's ``weights.dir``."""
+        from asyncrl.weights import remove_stale_shm
+        from asyncrl.weights.shm_reclaim import DEFAULT_ROOT
+
+        roots = {DEFAULT_ROOT, self.cfg.weights.dir} if self.cfg.weights.type == "shm" else {DEFAULT_ROOT}
+        for root in sorted(r for r in roots if os.path.isdir(r)):
+            for path in remove_stale_shm(root):
+                self.log(f"removed shared-memory weights of a dead learner: {path}")
+
+    def final_buffer_stats(self) -> dict | None:
+        if self.buffer is None:
+            return None
+        try:
+            counts = self.buffer.stats()
+        except Exception as exc:  # the summary must be written even when the buffer is gone
+            self.log(f"buffer statistics unavailable at the end: {exc}")
+            return None
+        return {**counts, "lost": lost_groups(counts), "unfinished": unfinished_groups(counts)}
+
+    def log(self, message: str) -> None:
+        if self.console is not None:
+            self.console.log(message)
+
+    # -- the run -----------------------------------------------------------------------------------
+    def run(self) -> int:
+        # the config the run uses (config.yaml, `meta config`): a GGUF model.path becomes its converted directory
+        self.cfg = cfg = preflight(self.cfg, self.redis_url, log=self.log)
+        config_path = self.prepare_run_dir()
+        self.stats = RunStats(cfg.run, self.run_dir, resumed=self.resume is not None)
+        control = None
+        reason, code = "interrupted", 130
+        previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        try:
+            self.secret = self.take_secret()
+            url = self.start_redis()
+            from asyncrl.buffers import run_prefix
+            from asyncrl.buffers import setup as setup_buffer
+
+            if self.resume is not None:
+                run_id, prefix = self.resume.run_id, self.resume.prefix
+            else:
+                run_id = f"{cfg.run.name}-{secrets.token_hex(4)}"
+                prefix = run_prefix(run_id)
+            # our own redis-server: its clients here fail fast, and supervise restarts a dead server
+            # (check_redis) instead of waiting in their retries while the other processes' run out
+            retries = {} if self.redis is None else {"retries": OWN_REDIS_RETRIES}
+            control = RunControl(connect(url, **retries), prefix)
+            self.buffer = setup_buffer(cfg.buffer, url, prefix, **retries)
+            if self.resume is not None:
+                undone = reset_for_resume(control, self.buffer, set(self.stats.evals))
+                self.stats.skip_logged(control)
+                self.log(f"resuming {run_id} from version {self.resume.committed_version}; undone: {undone}")
+            self.run_info = {
+                "run_id": run_id,
+                "prefix": prefix,
+                "launcher_pid": os.getpid(),
+                "redis_pid": self.redis.pid if self.redis else None,
+                "redis_address": self.advertised_redis(url),
+                "redis_url_file": str(write_secret(self.run_dir / "redis.url", url)),
+                "redis_dir": str(self.redis.workdir) if self.redis else None,
+            }
+            publish_run(control, config_path.read_text(), self.run_info["redis_address"])
+            if not is_loopback(cfg.run.host) or not cfg.run.generators:
+                self.log(
+                    f"generators join with: ASYNCRL_SECRET=$(cat {self.run_dir / 'secret'}) "
+                    f"asyncrl generator --redis {self.run_info['redis_address']}"
+                )
+            self.spawn(config_path, url, prefix)
+            # beside the children's start-up, on threads: the prompts' lengths (transformers, the tokenizer) and the
+            # shared-memory weights of any earlier run on this host whose learner was killed (the weight bus: torch)
+            self.chores = [in_background(check_prompt_lengths, cfg), in_background(self.remove_stale_weights)]
+            if cfg.run.remote_learners:  # where `asyncrl learner` ranks meet the launcher's
+                control.set_meta(MASTER_FIELD, self.learner_master)
+            self.write_run_info()
+            reason, code = self.supervise(control)
+            for chore in self.chores:
+                chore()  # a run shorter than the prompt check: its verdict still counts
+        except KeyboardInterrupt:
+            self.log("interrupted: stopping every process of the run")
+        except UserError as exc:
+            reason, code = "failed", 1
+            self.stats.error = str(exc)
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
+            self.stop_children(control, reason)
+            if control is not None:
+                self.stats.drain(control)
+            self.stats.buffer = self.final_buffer_stats()
+            self.stats.restarts = {
+                "generators": self.restarts,
+                "learners": self.learner_restarts,
+                "redis": self.redis_restarts,
+            }
+            self.stats.write_summary(self.run_dir, reason)
+            self.remove_stale_weights()
+            if self.buffer is not None:
+                self.buffer.close()
+            if self.redis is not None:
+                self.redis.stop()
+            signal.signal(signal.SIGINT, previous_int)
+            exit_soon()
+        return code
+
+    def supervise(self, control: RunControl) -> tuple[str, int]:
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.run.timeout_s
+        with Progress(self.console, cfg.run.steps) as progress:
+            learners_done_at = None
+            evaluates = cfg.generator.eval and cfg.data.eval is not None  # else there is no final eval to wait for
+            while True:
+                self.check_redis()  # first: every client of the run waits on it, the launcher too
+                for chore in self.chores:
+                    chore(0)  # a dataset that does not fit the model stops the run with its error
+                try:
+                    self.stats.drain(control, on_eval=self.log, buffer=self.buffer)  # + the buffer's depth
+                    self.watch_fleet(control)
+                    self.start_deferred(control)
+                    progress.update(self.stats)
+                    fatal = control.get_meta("fatal")
+                    if fatal is not None:  # a generator's failure limit: the run trains on nothing
+                        raise UserError(f"{fatal} (see {self.run_dir / 'logs'})")
+                    if learners_done_at is None and self.check_children(control) == "learners_done":
+                        learners_done_at = time.monotonic()
+                except (redis.ConnectionError, redis.TimeoutError, BufferUnavailableError):
+                    if self.redis is None or self.redis.is_running():
+                        raise
+                    continue  # our redis-server died during this tick: check_redis restarts it at once
+                if learners_done_at is not None:
+                    if self.stats.final_eval_reward is not None or not evaluates:
+                        return "completed", 0
+                    if time.monotonic() - learners_done_at > FINAL_EVAL_TIMEOUT_S:
+                        raise UserError("the learners finished but no generator ran the final evaluation")
+                if time.monotonic() > deadline:
+                    return "timeout", 1
+                time.sleep(0.25)
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt

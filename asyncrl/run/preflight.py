@@ -1,0 +1,179 @@
+"""What ``asyncrl launch`` checks before it starts anything (``--dry-run`` runs the light part; a
+launch checks the prompts' lengths on a thread beside the children's start), and the one thing it may
+build first: the model, either a recipe's (the demo models, ``smollm2-135m-instruct``) at the recipe's
+own cache path only, or the HF directory of a ``.gguf`` named by ``model.path``.
+
+A GGUF is converted here, once for the whole run and before any child starts (``asyncrl.models.gguf``
+caches it by content). :func:`preflight` returns the config the run then uses, with ``model.path``
+the converted directory: the launcher writes THAT config to ``runs/<name>/config.yaml`` (which every
+child reads) and to Redis's ``meta config`` (which joiners read), so learners, generators and the
+export all load the same directory and nothing else ever sees the GGUF."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from asyncrl.config import RECIPE_PATHS, Config, ModelConfig
+from asyncrl.errors import UserError
+from asyncrl.models import smollm2
+from asyncrl.models.gguf import ensure_converted, is_gguf
+
+
+def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = True) -> None:
+    """Everything that can be checked without building or starting anything; raises UserError.
+    ``prompts``: also the prompts' lengths (seconds: it loads transformers and the tokenizer)."""
+    from asyncrl.data import load_jsonl
+    from asyncrl.episodes.api import load_episode
+    from asyncrl.rewards.resolve import load_reward
+
+    load_jsonl(cfg.data.train)
+    if cfg.data.eval:
+        load_jsonl(cfg.data.eval)
+    for spec in filter(None, (cfg.data.reward, cfg.data.eval_reward)):
+        load_reward(spec, cfg.episode.reward_timeout_s)  # imports it, or checks its URL or export
+    load_episode(cfg.episode)  # the episode function or Env, its tools and tool parser
+    check_model_path(cfg.model)
+    check_lora(cfg.model)
+    if prompts:
+        check_prompt_lengths(cfg)
+    check_host(cfg)
+    from asyncrl.observe.metrics import check_wandb
+
+    check_wandb(cfg.run.wandb)
+    from asyncrl.fleet.redis_server import check_redis_url, find_redis_binary
+
+    redis_url = redis_url or external_redis_url(cfg)
+    if redis_url:
+        check_redis_url(redis_url)
+    else:
+        find_redis_binary()
+
+
+def check_lora(model: ModelConfig) -> None:
+    """``model.lora`` needs peft, an optional extra."""
+    import importlib.util
+
+    if model.lora is not None and importlib.util.find_spec("peft") is None:
+        raise UserError("model.lora trains through peft, which is not installed: pip install 'asyncrl[lora]'")
+
+
+def check_host(cfg: Config) -> None:
+    """``run.host`` is an address of this machine that others can reach (binding beyond loopback is
+    the user's explicit choice; it must name one concrete address, which is also what is advertised)."""
+    import socket
+
+    from asyncrl.net import is_loopback
+
+    host = cfg.run.host
+    if is_loopback(host):
+        if cfg.run.remote_learners:
+            raise UserError("learner ranks on other hosts (run.local_learners < run.learners) need --host (run.host)")
+        return
+    if host in ("0.0.0.0", "::", "*"):
+        raise UserError(f"run.host={host} would listen everywhere: name the one address other hosts reach this one at")
+    if cfg.weights.type == "shm":
+        raise UserError("weights.type=shm serves one host only: generators on other hosts need weights.type=zmq")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+    except OSError as exc:
+        raise UserError(f"run.host={host} is not an address of this machine ({exc.strerror})") from None
+
+
+def external_redis_url(cfg: Config) -> str | None:
+    """The Redis server the config names (``buffer.url``), if any; None: the launcher starts its own."""
+    return cfg.buffer.url if cfg.buffer.type == "redis" else None
+
+
+def preflight(cfg: Config, redis_url: str | None, log=print) -> Config:
+    """Every check but the prompts' lengths (the launcher runs that one :func:`in_background`: it imports
+    transformers and tokenizes every prompt, about 4 s on 2 cores, better spent beside the children's
+    start), and the model built or converted if need be. Returns the config the run uses (``cfg``, or
+    with ``model.path`` a GGUF's converted directory: see the module's doc)."""
+    preflight_light(cfg, redis_url, prompts=False)
+    return ensure_model(cfg, log)
+
+
+def in_background(chore: Callable[..., None], *args) -> Callable[..., None]:
+    """``chore(*args)`` on a daemon thread. The returned ``wait(timeout=None)`` waits for it (at most
+    ``timeout`` seconds) and, once it has ended, raises what it raised."""
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            chore(*args)
+        except BaseException as exc:  # handed to the waiter, who raises it in its own thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=target, name=getattr(chore, "__name__", "chore"), daemon=True)
+    thread.start()
+
+    def wait(timeout: float | None = None) -> None:
+        thread.join(timeout)
+        if failed:
+            raise failed[0]
+
+    return wait
+
+
+def check_prompt_lengths(cfg: Config) -> None:
+    """Every train and eval prompt leaves room for ``generator.max_new_tokens`` in the model's context;
+    else one error naming the first such line (a generator would skip and count them, but a dataset
+    that does not fit the model is a mistake better shown before the run). Needs the model's tokenizer:
+    ``--dry-run`` checks only when the model is already there."""
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    from asyncrl.chat import ChatTokens
+    from asyncrl.data import numbered_jsonl, prompt_of
+    from asyncrl.generators.engine import context_length, fits
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    tok.model_max_length = 1 << 62  # measuring here: transformers' "longer than the maximum" warning is ours to say
+    chat = ChatTokens(tok, use_template=cfg.episode.chat_template, system_prompt=cfg.episode.system_prompt)
+    context = context_length(cfg.model.path, cfg.generator.max_model_len)
+    budget = cfg.generator.max_new_tokens
+    for path in [cfg.data.train, *([cfg.data.eval] if cfg.data.eval else [])]:
+        lines = numbered_jsonl(path)
+        lengths = [len(chat.prompt_ids(prompt_of(rec))) for _, rec in lines]  # as the generators encode them
+        bad = [(lineno, n) for (lineno, _), n in zip(lines, lengths, strict=True) if not fits(n, budget, context)]
+        if bad:
+            (lineno, n), more = bad[0], len(bad) - 1
+            raise UserError(
+                f"{path}:{lineno}: the prompt is {n} tokens; with generator.max_new_tokens={budget} it needs "
+                f"{n + budget}, more than the model's context of {context} tokens"
+                + (f" ({more} more lines like it)" if more else "")
+            )
+
+
+def check_model_path(model: ModelConfig) -> None:
+    """A model directory, a ``.gguf`` file, or the recipe's own cache path (built on first use); else one error."""
+    path = Path(model.path)
+    if (path / "config.json").is_file() or model.builds_recipe or (is_gguf(path) and path.is_file()):
+        return
+    what = "is not an HF model directory (no config.json)" if path.is_dir() else "does not exist"
+    hint = f"; model.recipe={model.recipe} builds only at {RECIPE_PATHS[model.recipe]}" if model.recipe else ""
+    raise UserError(f"model.path {path} {what}{hint}")
+
+
+def ensure_model(cfg: Config, log=print) -> Config:
+    """The model at ``model.path``, built by its recipe or converted from a GGUF if need be; returns the
+    config whose ``model.path`` names the directory the run loads (``cfg`` itself unless a GGUF)."""
+    check_model_path(cfg.model)
+    path = Path(cfg.model.path)
+    if is_gguf(path):
+        directory = str(ensure_converted(path, log=log))
+        return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": directory})})
+    if (path / "config.json").is_file():
+        return cfg
+    if cfg.model.recipe == smollm2.RECIPE:
+        smollm2.model_path(path, log=log)
+        return cfg
+    from asyncrl.demo.recipes import prepare_demo_model
+
+    log(f"building the demo model at {path} (once; cached)")
+    prepare_demo_model(path, seed=cfg.run.seed, log=log, recipe=cfg.model.recipe)
+    return cfg
