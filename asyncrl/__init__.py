@@ -1,7 +1,7 @@
 """asyncrl: asynchronous RL for language models.
 
 The house, one room per concern (each package's docstring says what lives there and what it may import;
-``tests/test_house.py`` holds every package to it and finds no import circle):
+``tests/core/test_house.py`` holds every package to it and finds no import circle):
 
 * the core, at this level: ``config/`` (every section, the algorithm menu, the root ``Config``),
   ``protocol`` (wire formats), ``staleness`` (the lag contract), ``errors``, ``keys`` and ``control`` (the

@@ -12,7 +12,7 @@ seams, so pieces give other ids than a full render (SmolLM2, ␣ a space: ``"too
 prompt's ids, then each turn's, each observation's, with nothing between them (a turn cut by length
 gets no EOS).
 
-Invariant, pinned by ``tests/test_chat_tokens.py``: for a conversation whose assistant turns are
+Invariant, pinned by ``tests/episodes/test_chat_tokens.py``: for a conversation whose assistant turns are
 encoded the way the model emits them (content, then the end-of-turn token, or the content alone for a
 turn cut by length), ``prompt_ids(user) + turn_1 + observation_ids(obs_1, after=turn_1) + turn_2 + ...``
 equals the one full render of the whole conversation with a generation prompt, token for token.

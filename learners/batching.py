@@ -9,7 +9,7 @@ and ``corrections`` by ``objective.step_loss``.
 Memory (``model_logprobs``): a model's sampled-token log-probs never materialise the (B, L, V) logits
 nor their log-softmax. The LM head runs on chunks of positions, each under ``torch.utils.checkpoint``,
 so backward keeps only the final hidden states and recomputes one chunk's logits at a time; the
-values and gradients are the whole-batch ones (``tests/test_learner_memory.py``).
+values and gradients are the whole-batch ones (``tests/learners/test_learner_memory.py``).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ share (whole groups: group statistics never cross ranks), in order:
 
 ``step_loss`` is both for one optimizer step per batch: pi_prox and V_old are then the detached outputs
 of the same forward. Every normaliser is global, so the loss and gradient of a step do not depend on how
-its groups are split across ranks (tests/test_loss_split.py checks 1 rank vs 2 gloo ranks to 1e-6;
-tests/test_minibatches.py the same with mini-batches).
+its groups are split across ranks (tests/learners/test_loss_split.py checks 1 rank vs 2 gloo ranks to 1e-6;
+tests/learners/test_minibatches.py the same with mini-batches).
 """
 
 from __future__ import annotations

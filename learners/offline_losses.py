@@ -5,7 +5,7 @@ A batch is ``pad_pairs``' padded (prompt, response) sequences, padded on either 
 count real tokens only, so a left-padded sequence scores as it would alone. Every loss is a sum over
 this rank's examples divided by the count over all ranks (a ``Reducer`` sum) and multiplied by the
 world size, because DeepSpeed averages gradients over ranks: one step over R ranks is then the step
-over their union on one rank (``tests/test_offline_losses.py``).
+over their union on one rank (``tests/offline/test_offline_losses.py``).
 
 * SFT: the mean negative log-likelihood of the response tokens (token-mean over the whole batch).
 * Reward model: ``-log sigmoid(r(chosen) - r(rejected))``, the pair's mean; r is a scalar head on the

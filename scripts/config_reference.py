@@ -2,7 +2,7 @@
 ``asyncrl/config/offline.py`` (the offline modes' own sections).
 
 ``python scripts/config_reference.py --write`` rewrites the table between the two markers in README.md;
-``tests/test_config.py`` fails when README and the models disagree.
+``tests/core/test_config.py`` fails when README and the models disagree.
 """
 
 from __future__ import annotations

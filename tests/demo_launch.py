@@ -1,14 +1,38 @@
-"""The command line of a demo run, for tests that drive `asyncrl launch` as a user would."""
+"""The command line of a demo run, for tests that drive `asyncrl launch` as a user would, and what a one-line
+error of the CLI looks like."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo-cpu.yaml"
 
 
 def demo_launch_cmd(out_dir: Path, name: str, *args: str) -> list[str]:
     """``asyncrl launch`` on the demo config, writing ``out_dir/name``; ``args`` are extra flags."""
     return [sys.executable, "-m", "asyncrl.cli", "launch", "--config", "configs/demo-cpu.yaml", "--name", name,
             "--set", f"run.out_dir={out_dir}", *args]  # fmt: skip
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    first = proc.stderr.strip().splitlines()[0]
+    assert first.startswith("asyncrl: error: ")
+    for needle in needles:
+        assert needle in first, proc.stderr
+
+
+def asyncrl(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )

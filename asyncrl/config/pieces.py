@@ -14,7 +14,7 @@ from typing import Literal
 from asyncrl.errors import UserError
 
 # The registries' keys (learners/{presets,advantages,policy_losses,corrections,kl}.py), spelled out so that
-# validating a config does not import torch; tests/test_learner_algorithms.py checks they match.
+# validating a config does not import torch; tests/learners/test_learner_algorithms.py checks they match.
 PresetName = Literal["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "gspo"]
 AdvantageName = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 PolicyLossName = Literal["ppo_clip", "gspo", "policy_gradient"]

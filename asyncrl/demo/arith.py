@@ -13,7 +13,7 @@ prompt asks is what RL on a chat model is mostly for, and it is learnable in min
 ``reward`` scores the completion's first line (``configs/smollm2-arith.yaml`` stops generation at the
 first newline): 1.0 for exactly the answer, ``RIGHT_BUT_WORDY`` when the line's last number is the
 answer but the line holds more, 0.0 otherwise. The partial credit gives a fresh policy a gradient;
-only the asked-for form earns full credit. Pinned by ``tests/test_demo_arith.py``.
+only the asked-for form earns full credit. Pinned by ``tests/demo/test_demo_arith.py``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ template; the byte-level demo tokenizer maps each character to one token.
 
 ``reward`` gives partial credit (letters used and positions right) because an exact-match reward
 is too sparse for a freshly warmed-up policy to climb.
-Invariants, pinned by ``tests/test_demo_task.py``: the reward lies in [0, 1], equals 1.0 exactly
+Invariants, pinned by ``tests/demo/test_demo_task.py``: the reward lies in [0, 1], equals 1.0 exactly
 when the completion equals the answer, is 0.0 for an empty completion, and never rises by
 appending characters to a correct answer.
 """

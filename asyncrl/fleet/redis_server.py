@@ -5,7 +5,7 @@ mode, a generated password, append-only file in the run directory with ``appendf
 write is on disk before its reply is sent, so neither a killed server nor a crashed machine loses
 anything a client saw acknowledged. (``everysec`` is not enough even for a killed process: while a
 background fsync runs, redis-server delays its AOF writes by up to 2 s but still replies; the
-property test in ``tests/test_buffer_model.py`` lost acknowledged pushes that way in 1 run of 4.)
+property test in ``tests/buffers/test_buffer_model.py`` lost acknowledged pushes that way in 1 run of 4.)
 The password is handed to redis-server on stdin, never on its command line, so ``ps`` does not show
 it. The server runs in its own session so a Ctrl-C in the terminal reaches the launcher, which then
 stops the server last, after learners and generators are done with it.

@@ -15,7 +15,7 @@ from demo_launch import ROOT, demo_launch_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 SYSTEM = "You are terse."
 QUESTIONS = ["What is 2 + 3?", "Name a colour.", "What is the capital of France?", "Say hello."]
 

@@ -11,7 +11,7 @@ import pytest
 from asyncrl.data import load_jsonl
 from asyncrl.demo import arith
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "arith"
+DATA = Path(__file__).resolve().parents[2] / "data" / "arith"
 REC = {"messages": [{"role": "user", "content": arith.QUESTION.format(a=7, b=15)}], "answer": "22"}
 
 

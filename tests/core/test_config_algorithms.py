@@ -14,8 +14,9 @@ import typing
 
 import pytest
 import torch
+from algo_common import config_accepts
 
-from asyncrl.config import AlgorithmConfig, CorrectionName, PolicyLossName, PresetName, load_config
+from asyncrl.config import AlgorithmConfig, CorrectionName, PolicyLossName, PresetName
 from asyncrl.config.presets import from_config
 from asyncrl.errors import UserError
 from asyncrl.learners.objective import Reducer, StepBatch, step_loss
@@ -47,14 +48,6 @@ def learner_accepts(fields: dict) -> bool:
     except (ValueError, UserError):
         return False
     assert torch.isfinite(logprobs.grad).all()
-    return True
-
-
-def config_accepts(fields: dict) -> bool:
-    try:
-        load_config(None, {f"algorithm.{k}": v for k, v in fields.items()})
-    except UserError:
-        return False
     return True
 
 

@@ -1,6 +1,6 @@
 """Several optimizer steps per batch (``learner.minibatches``): pi_prox and V_old are the batch's start.
 
-``worker.train_step`` runs here on the tiny models of tests/test_loss_split.py behind a stand-in for
+``worker.train_step`` runs here on the tiny models of tests/learners/test_loss_split.py behind a stand-in for
 the few DeepSpeed engine calls the learner makes (forward, backward, step; SGD, gradients averaged
 over ranks as DeepSpeed does), so the mini-batch loop itself is what is tested:
 

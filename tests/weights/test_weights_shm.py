@@ -35,7 +35,7 @@ from asyncrl.weights.wire import tensor_digest
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a Linux /dev/shm")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A child process: a subscriber ("sub": first poll, report, hold the mapping until stdin closes) or a
 # publisher ("pub-exit": publish and return normally; "pub-hang": publish and wait to be killed).

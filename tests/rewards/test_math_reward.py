@@ -21,7 +21,9 @@ from asyncrl.rewards.math_answer import math_reward
 from asyncrl.rewards.remote import RemoteReward
 from asyncrl.rewards.resolve import score
 
-PAIRS = [json.loads(line) for line in (Path(__file__).parent / "data" / "math_answers.jsonl").read_text().splitlines()]
+PAIRS = [
+    json.loads(line) for line in (Path(__file__).parents[1] / "data" / "math_answers.jsonl").read_text().splitlines()
+]
 
 
 def test_fixture_is_broad():

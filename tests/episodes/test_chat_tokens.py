@@ -26,7 +26,7 @@ from asyncrl.demo.model import build_tokenizer
 from asyncrl.errors import UserError
 from asyncrl.models.smollm2 import tokenizer_path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = "You are terse.\nAnswer with digits: 0-9."
 
 # user, then assistant turns between observations (role "tool" or "user"); ends on an observation

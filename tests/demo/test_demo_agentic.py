@@ -18,7 +18,7 @@ from asyncrl.config import EpisodeConfig
 from asyncrl.demo import calc, guess, latency, warmup
 from asyncrl.errors import EpisodeFailure
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(task: str, name: str) -> list[dict]:

@@ -8,7 +8,7 @@ import os
 import stat
 
 import pytest
-from test_config import DEMO, assert_one_line_error, asyncrl
+from demo_launch import DEMO, assert_one_line_error, asyncrl
 
 from asyncrl.config import dump_config, load_config
 from asyncrl.errors import UserError

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from demo_launch import DEMO, ROOT, assert_one_line_error, asyncrl
 from pydantic import ValidationError
 
 from asyncrl.config import Config, load_config, parse_override
 from asyncrl.errors import UserError
-
-ROOT = Path(__file__).resolve().parents[1]
-DEMO = ROOT / "configs" / "demo-cpu.yaml"
 
 
 def test_demo_config_is_valid():
@@ -59,26 +55,6 @@ def test_config_is_frozen():
 def test_bad_override_syntax():
     with pytest.raises(UserError, match="section.field=value"):
         parse_override("learner.lr")
-
-
-def asyncrl(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=120,
-    )
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    first = proc.stderr.strip().splitlines()[0]
-    assert first.startswith("asyncrl: error: ")
-    for needle in needles:
-        assert needle in first, proc.stderr
 
 
 def test_dry_run_prints_resolved_config_and_starts_nothing(tmp_path):

@@ -1,6 +1,6 @@
 """The engine pump's rules against a scripted engine: turns submitted as episodes ask, weights applied
 between steps as on_weight_update says (continue / abort / wait), held during an evaluation, and the
-requests of cancelled episodes aborted. The real engine is tested in tests/test_generator_vllm.py."""
+requests of cancelled episodes aborted. The real engine is tested in tests/generators/test_generator_vllm.py."""
 
 from __future__ import annotations
 

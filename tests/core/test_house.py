@@ -10,7 +10,7 @@ import io
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = [p for d in ("asyncrl", "generators", "learners", "buffers") for p in sorted((ROOT / d).rglob("*.py"))]
 SCRIPTS = sorted((ROOT / "scripts").rglob("*.py"))
 TESTS = sorted((ROOT / "tests").rglob("*.py"))

@@ -31,7 +31,7 @@ from asyncrl.weights import (
 )
 from asyncrl.weights.collective_buckets import DeviceSnapshot, bucket_checksums
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Short, so that a dead or stopped member costs the tests about a second or two, not 30.
 TIMEOUT_S = 1.5
 # NCCL refuses two ranks of one group on one GPU: the publisher takes cuda:0, each subscriber

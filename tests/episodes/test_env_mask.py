@@ -17,7 +17,7 @@ import typing
 import numpy as np
 import pytest
 import torch
-from test_config_algorithms import config_accepts
+from algo_common import config_accepts
 
 from asyncrl.config import AlgorithmConfig, CorrectionName, PolicyLossName, PresetName
 from asyncrl.config.presets import from_config

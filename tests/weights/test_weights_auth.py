@@ -30,7 +30,7 @@ from asyncrl.secret import new_secret
 from asyncrl.weights import setup_publisher, setup_subscriber, state_dict_checksum
 from asyncrl.weights.curve import curve_keys
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUIET_S = 3.0  # how long a subscriber that must get nothing is watched
 
 

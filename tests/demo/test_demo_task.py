@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from asyncrl.demo import sort
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data" / "sort"
 
 

@@ -8,8 +8,8 @@ import json
 import uuid
 
 import pytest
+from demo_launch import DEMO, assert_one_line_error, asyncrl
 from generator_common import make_generator, play_groups, save_tiny_model
-from test_config import DEMO, assert_one_line_error, asyncrl
 
 from asyncrl import buffers
 from asyncrl.config import load_config

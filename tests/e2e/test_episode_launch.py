@@ -14,7 +14,7 @@ from demo_launch import ROOT, demo_launch_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 SHORT = ("--set", "run.steps=4", "--set", "run.eval_every=0", "--set", "data.eval_size=16")
 
 

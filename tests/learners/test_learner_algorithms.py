@@ -1,7 +1,7 @@
 """The learner's side of the algorithms: config -> preset, reward shaping, the demo's loss, the critic.
 
 The maths of every piece is tested against slow references in tests/test_algorithms_*.py; the split
-invariance of the composed step in tests/test_loss_split.py.
+invariance of the composed step in tests/learners/test_loss_split.py.
 """
 
 from __future__ import annotations

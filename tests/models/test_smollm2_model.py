@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import in_ci
-from test_config import DEMO, ROOT, assert_one_line_error
+from demo_launch import DEMO, ROOT, assert_one_line_error
 
 from asyncrl.config import dump_config, load_config
 from asyncrl.errors import UserError

@@ -25,7 +25,7 @@ import pytest
 
 from asyncrl.rewards.remote import SCHEMA, TOKEN_ENV, VERSION
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 READY_TIMEOUT_S = 120.0  # a server and its workers start in a few seconds; a loaded CI machine is slower
 

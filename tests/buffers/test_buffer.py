@@ -394,7 +394,7 @@ print(json.dumps({"seqs": seqs, "wins": wins}))
 @pytest.mark.redis
 def test_admission_and_dedup_exact_across_processes(redis_server) -> None:
     prefix = run_prefix(uuid.uuid4().hex)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _RACER, redis_server.url, prefix],
