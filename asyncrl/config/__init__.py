@@ -27,7 +27,13 @@ from asyncrl.config.pieces import (
 )
 from asyncrl.config.root import MOVED, Config, dump_config, load_config, parse_override, set_dotted
 from asyncrl.config.run import RunConfig
-from asyncrl.config.weights import NcclWeightsConfig, ShmWeightsConfig, WeightsConfig, ZmqWeightsConfig
+from asyncrl.config.weights import (
+    MemoryWeightsConfig,
+    NcclWeightsConfig,
+    ShmWeightsConfig,
+    WeightsConfig,
+    ZmqWeightsConfig,
+)
 
 __all__ = [
     "AdvantageName",
@@ -48,6 +54,7 @@ __all__ = [
     "LearnerConfig",
     "LoraConfig",
     "MemoryBufferConfig",
+    "MemoryWeightsConfig",
     "ModelConfig",
     "NcclWeightsConfig",
     "RedisBufferConfig",

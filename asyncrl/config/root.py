@@ -51,6 +51,8 @@ class Config(Section):
             )
         if self.buffer.type == "memory" and (self.run.generators > 1 or self.run.learners > 1):
             raise ValueError("buffer.type=memory works only in one process; use redis")
+        if self.weights.type == "memory" and (self.run.generators > 1 or self.run.learners > 1):
+            raise ValueError("weights.type=memory works only in one process; use zmq (any host) or shm (one host)")
         return self
 
     @property
@@ -138,7 +140,7 @@ def load_config(
         raise UserError("invalid config: " + "; ".join(_describe(e) for e in exc.errors())) from None
 
 
-_TAGGED = {"buffer": ("redis", "memory"), "engine": ("vllm", "hf"), "weights": ("zmq", "shm", "nccl")}
+_TAGGED = {"buffer": ("redis", "memory"), "engine": ("vllm", "hf"), "weights": ("zmq", "shm", "nccl", "memory")}
 
 
 def _describe(error: dict) -> str:

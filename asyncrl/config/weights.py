@@ -1,4 +1,5 @@
-"""``weights``: the weight bus from learner rank 0 to the generators, chosen by its ``type`` (zmq, shm, nccl)."""
+"""``weights``: the weight bus from learner rank 0 to the generators, chosen by its ``type`` alone (zmq, shm,
+nccl; memory, the in-process stub of tests)."""
 
 from __future__ import annotations
 
@@ -70,9 +71,16 @@ class NcclWeightsConfig(_WeightsBase):
         return self
 
 
+class MemoryWeightsConfig(_WeightsBase):
+    type: Literal["memory"] = Field(
+        "memory", description="In-process stub (tests): publisher and subscribers share one process."
+    )
+
+
 WeightsConfig = Annotated[
     Annotated[ZmqWeightsConfig, Tag("zmq")]
     | Annotated[ShmWeightsConfig, Tag("shm")]
-    | Annotated[NcclWeightsConfig, Tag("nccl")],
+    | Annotated[NcclWeightsConfig, Tag("nccl")]
+    | Annotated[MemoryWeightsConfig, Tag("memory")],
     Discriminator(_type_or("zmq")),
 ]

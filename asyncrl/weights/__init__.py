@@ -17,7 +17,9 @@ the publisher sends to each, see ``zmq_bus``; both CURVE-authenticated over tcp 
 secret, see ``curve``), same-host shared memory (``shm``: ``shm://<dir>``, see ``shm_bus``) and
 GPU-to-GPU broadcast (``nccl``: a ``tcp://`` control address, see ``collective_bus``); the two
 socket transports share one control plane (``control_plane``). ``MemoryWeightBus``
-(``memory://name``) is the in-process stub. The wire format is documented in ``wire``.
+(``weights.type: memory``, ``memory://name``) is the in-process stub. The transport is chosen by the
+section's ``type`` alone; an address in another transport's scheme is an error. The wire format is
+documented in ``wire``.
 
 May import: the core.
 """
@@ -114,24 +116,23 @@ def bus_address(weights, host: str, directory: Path) -> str | None:
 
 
 def setup_publisher(weights, address: str | None = None, secret: str | None = None) -> WeightPublisher:
-    """The publisher for the ``weights`` section (``asyncrl.config``'s zmq, shm or nccl one).
+    """The publisher of the transport that ``weights.type`` names (``asyncrl.config``'s weights section).
 
-    ``address`` is what to bind: ``tcp://127.0.0.1:*`` (default: loopback, random free port),
-    ``tcp://0.0.0.0:PORT`` for generators on other hosts, ``ipc:///path``, or ``memory://name``
-    for the in-process stub. With ``type="shm"`` (or an ``shm://`` address) it is
-    ``shm://<tmpfs dir>`` (default ``shm://`` + ``weights.dir``), under which the publisher
-    makes its own directory. ``publisher.address`` is the resolved endpoint to hand to subscribers.
-    ``secret`` (the run secret, 64 hex digits) makes a tcp endpoint admit only subscribers that hold
-    it, and encrypts it (zmq, and nccl's control plane: see ``curve``); shm and memory ignore it.
+    ``address`` is what to bind, in that transport's scheme: zmq and nccl ``tcp://127.0.0.1:*`` (default:
+    loopback, a free port), ``tcp://0.0.0.0:PORT`` for generators on other hosts or zmq's ``ipc:///path``;
+    shm ``shm://<tmpfs dir>`` (default ``shm://`` + ``weights.dir``), under which the publisher makes its
+    own directory; memory ``memory://name``. An address of another scheme is an error naming both.
+    ``publisher.address`` is the resolved endpoint to hand to subscribers. ``secret`` (the run secret, 64
+    hex digits) makes a tcp endpoint admit only subscribers that hold it, and encrypts it (zmq, and nccl's
+    control plane: see ``curve``); shm and memory ignore it.
     """
     bucket_bytes = weights.bucket_mb << 20
-    if address and address.startswith("memory://"):
-        return MemoryWeightBus.get(address, create=True, bucket_bytes=bucket_bytes).publisher()
-    if (address and address.startswith("shm://")) or weights.type == "shm":
-        if address and not address.startswith("shm://"):
-            raise ValueError(f"weights.type=shm binds shm://<tmpfs dir>, not {address!r}")
-        root = address.removeprefix("shm://") if address else weights.dir
-        return ShmWeightPublisher(root, bucket_bytes=bucket_bytes)
+    address = address or (f"shm://{weights.dir}" if weights.type == "shm" else None)
+    _check_scheme(weights.type, address)
+    if weights.type == "memory":
+        return MemoryWeightBus.get(address or "memory://default", create=True, bucket_bytes=bucket_bytes).publisher()
+    if weights.type == "shm":
+        return ShmWeightPublisher(address.removeprefix("shm://"), bucket_bytes=bucket_bytes)
     if weights.type == "zmq":
         cls = RelayWeightPublisher if weights.relay else ZmqWeightPublisher
         return cls(address or DEFAULT_ADDRESS, bucket_bytes=bucket_bytes, secret=secret)
@@ -150,15 +151,15 @@ def setup_publisher(weights, address: str | None = None, secret: str | None = No
 def setup_subscriber(
     weights, address: str, subscriber_id: str, have: int = -1, secret: str | None = None
 ) -> WeightSubscriber:
-    """A subscriber of the publisher at ``address``; ``have`` is the version already loaded
-    (e.g. 0 when the engine started from the initial weights), so only newer ones are delivered.
-    ``secret`` must be the publisher's: over tcp, a subscriber without it (or with another) receives
-    nothing, and accepts nothing from a publisher without it."""
-    if address.startswith("memory://"):
+    """A subscriber of the publisher at ``address``, of the transport ``weights.type`` names; ``have`` is the
+    version already loaded (e.g. 0 when the engine started from the initial weights), so only newer ones are
+    delivered. ``secret`` must be the publisher's: over tcp, a subscriber without it (or with another)
+    receives nothing, and accepts nothing from a publisher without it."""
+    _check_scheme(weights.type, address)
+    if weights.type == "memory":
         return MemoryWeightBus.get(address).subscriber(subscriber_id, have)
-    if address.startswith("shm://"):
-        verify = weights.verify if weights.type == "shm" else "structure"
-        return ShmWeightSubscriber(address, subscriber_id, have, verify=verify)
+    if weights.type == "shm":
+        return ShmWeightSubscriber(address, subscriber_id, have, verify=weights.verify)
     if weights.type == "zmq":
         if weights.relay:
             return RelayWeightSubscriber(address, subscriber_id, have, secret=secret)
@@ -174,6 +175,17 @@ def setup_subscriber(
             secret=secret,
         )
     raise ValueError(f"unknown weights type {weights.type!r}")
+
+
+# The address schemes each transport speaks: the transport is chosen by weights.type, never by an address.
+SCHEMES = {"zmq": ("tcp", "ipc"), "nccl": ("tcp",), "shm": ("shm",), "memory": ("memory",)}
+
+
+def _check_scheme(kind: str, address: str | None) -> None:
+    scheme = address.partition("://")[0] if address else None
+    if scheme is not None and scheme not in SCHEMES.get(kind, ()):
+        wanted = " or ".join(f"{s}://" for s in SCHEMES.get(kind, ()))
+        raise ValueError(f"weights.type={kind} speaks {wanted}, not {address!r}")
 
 
 def _current_cuda_device():

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from weights_common import InjectingBus, assert_bit_equal
 
-from asyncrl.config import ZmqWeightsConfig
+from asyncrl.config import MemoryWeightsConfig, ZmqWeightsConfig
 from asyncrl.weights import (
     MemoryWeightBus,
     WeightsRejected,
@@ -364,13 +364,15 @@ def test_bye_forgets_subscriber():
         b.close()
 
 
-@pytest.mark.parametrize("address", [None, "memory://factory-test"])
-def test_factories(address):
-    cfg = ZmqWeightsConfig(bucket_mb=1)
+@pytest.mark.parametrize(
+    ("cfg", "address"),
+    [(ZmqWeightsConfig(bucket_mb=1), None), (MemoryWeightsConfig(bucket_mb=1), "memory://factory-test")],
+)
+def test_factories(cfg, address):
     pub = setup_publisher(cfg, address)
     sub = setup_subscriber(cfg, pub.address, "g0", have=0)
     try:
-        assert pub.address.startswith("tcp://127.0.0.1:" if address is None else "memory://")
+        assert pub.address.startswith("tcp://127.0.0.1:" if cfg.type == "zmq" else "memory://")
         pub.publish(0, small_state(0))  # the subscriber already has version 0
         pub.publish(1, small_state(1))
         seen = wait_version(sub, 1)
@@ -378,3 +380,13 @@ def test_factories(address):
     finally:
         sub.close()
         pub.close()
+
+
+def test_the_transport_is_the_sections_type_alone():
+    """An address never picks a transport: one in another transport's scheme is an error naming both."""
+    with pytest.raises(ValueError, match=r"weights.type=zmq speaks tcp:// or ipc://, not 'memory://x'"):
+        setup_publisher(ZmqWeightsConfig(), "memory://x")
+    with pytest.raises(ValueError, match=r"weights.type=memory speaks memory://"):
+        setup_subscriber(MemoryWeightsConfig(), "tcp://127.0.0.1:5555", "g0")
+    with pytest.raises(ValueError, match=r"weights.type=zmq speaks tcp:// or ipc://, not 'shm://"):
+        setup_subscriber(ZmqWeightsConfig(), "shm:///dev/shm/x", "g0")

@@ -392,9 +392,11 @@ def test_factories_and_config(root):
         setup_publisher(cfg, "tcp://127.0.0.1:*")
     with pytest.raises(ValueError):
         ShmWeightsConfig(verify="sometimes")
-    explicit = setup_publisher(ZmqWeightsConfig(), f"shm://{root}")  # an shm:// address picks shm
+    explicit = setup_publisher(ShmWeightsConfig(), f"shm://{root}")  # an shm:// address of its own
     assert isinstance(explicit, ShmWeightPublisher)
     explicit.close()
+    with pytest.raises(ValueError, match="weights.type=zmq speaks"):  # the address picks no transport
+        setup_publisher(ZmqWeightsConfig(), f"shm://{root}")
 
 
 def test_header_layout_is_64_bytes():
