@@ -11,3 +11,17 @@ A reward of your own needs nothing from here: any ``module:function`` (``reward(
 
 May import: the core, asyncrl.learners (the reward model's head), asyncrl.observe.
 """
+
+
+def __getattr__(name: str):
+    """``asyncrl.rewards`` was one module: its names (``load_reward``, ``score``, ...) live in ``resolve`` now."""
+    import importlib
+    import warnings
+
+    if name.startswith("__") or name == "resolve":  # a submodule not yet imported: the import system asks first
+        raise AttributeError(f"module 'asyncrl.rewards' has no attribute {name!r}")
+    resolve = importlib.import_module("asyncrl.rewards.resolve")
+    if not hasattr(resolve, name):
+        raise AttributeError(f"module 'asyncrl.rewards' has no attribute {name!r}")
+    warnings.warn(f"asyncrl.rewards.{name} is now asyncrl.rewards.resolve.{name}", FutureWarning, stacklevel=2)
+    return getattr(resolve, name)
