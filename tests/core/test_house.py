@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import collections
 import io
+import re
 import tokenize
 from pathlib import Path
 
@@ -193,3 +194,23 @@ def test_no_import_circle_between_units():
         assert circle is None, "import circle: " + " -> ".join(
             f"{a} ({graph[a][b]})" for a, b in zip(circle, circle[1:], strict=False)
         )
+
+
+# ----- paths named in text ------------------------------------------------------------------------
+NAMED_PATH = re.compile(
+    r"(?<![\w./-])((?:asyncrl|generators|learners|buffers|tests|scripts|configs|docs|data)/[\w./-]*"
+    r"\.(?:py|md|yaml|sh|jsonl|lua))"
+)
+
+
+def test_every_repository_path_named_in_code_and_docs_exists():
+    """A docstring, comment or page that names a file the reorganisation moved points nowhere: every
+    ``dir/.../file.ext`` of this repository that the code, the scripts, the tests or the docs name exists."""
+    texts = [*PRODUCT, *SCRIPTS, *TESTS, ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    missing = sorted(
+        f"{m.group(1)} (named in {path.relative_to(ROOT)})"
+        for path in texts
+        for m in NAMED_PATH.finditer(path.read_text())
+        if not (ROOT / m.group(1)).exists()
+    )
+    assert not missing, f"paths that do not exist: {missing}"
