@@ -1,4 +1,6 @@
-"""Shared fixtures: a real ``redis-server`` for tests marked ``redis``; the hypothesis profile.
+"""Shared fixtures: a real ``redis-server`` for tests marked ``redis``; the untrained demo model on disk; the
+hypothesis profile. Each test folder (``tests/<package>/``) mirrors a package; helpers shared across folders are
+modules here (``demo_launch``, ``generator_common``, ...), importable from every folder.
 
 A missing binary skips those tests on a laptop but FAILS them under CI (``CI=true``): CI must
 never pass by skipping the service it is meant to test. Servers are stopped by pid, never by name.
@@ -76,3 +78,11 @@ def make_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Call
     yield make
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The demo's byte tokenizer and an untrained demo-sized Llama (seed 0) as an HF directory, made once."""
+    from generator_common import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))

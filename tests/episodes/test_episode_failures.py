@@ -9,7 +9,7 @@ import json
 import uuid
 
 import pytest
-from generator_common import make_generator, play_groups, save_tiny_model
+from generator_common import make_generator, play_groups
 
 from asyncrl import buffers
 from asyncrl.buffers.base import BufferUnavailableError, lost_groups, unfinished_groups
@@ -26,18 +26,13 @@ N = 3  # samples per group
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    cfg = load_config(None, {"model.path": str(model_dir), "model.recipe": None})
+def engine(tiny_model_dir):
+    cfg = load_config(None, {"model.path": str(tiny_model_dir), "model.recipe": None})
     return HfEngine(cfg.model, seed=0)
 
 
 @pytest.fixture
-def generator(tmp_path, model_dir, engine, redis_server):
+def generator(tmp_path, tiny_model_dir, engine, redis_server):
     made = []
 
     def make(**overrides):
@@ -45,7 +40,7 @@ def generator(tmp_path, model_dir, engine, redis_server):
         prompts = ["sort:cba=", "sort:dcb=", "sort:fed="]
         train.write_text("".join(json.dumps({"prompt": p, "answer": "abc"}) + "\n" for p in prompts))
         settings = {
-            "model.path": str(model_dir),
+            "model.path": str(tiny_model_dir),
             "model.recipe": None,
             "generator.engine.type": "hf",
             "generator.n_samples": N,
@@ -65,7 +60,7 @@ def generator(tmp_path, model_dir, engine, redis_server):
         buffer = buffers.setup(cfg.buffer, redis_server.url, prefix)
         made.append(buffer)
         sub = MemoryWeightBus().subscriber("generator-0", have=0)
-        return make_generator(cfg, engine, control, sub, model_dir, buffer)
+        return make_generator(cfg, engine, control, sub, tiny_model_dir, buffer)
 
     yield make
     for buffer in made:

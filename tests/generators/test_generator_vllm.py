@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from generator_common import apply_newest, make_generator, play_groups, save_tiny_model  # noqa: E402
+from generator_common import apply_newest, make_generator, play_groups  # noqa: E402
 from weights_common import InjectingBus  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
@@ -31,16 +31,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def cfg(model_dir):
+def cfg(tiny_model_dir):
     return load_config(
         None,
         {
-            "model.path": str(model_dir),
+            "model.path": str(tiny_model_dir),
             "model.recipe": None,
             "generator.engine.type": "vllm",
             "generator.n_samples": 4,
@@ -68,10 +63,10 @@ def engine(cfg):
     return VllmEngine(cfg.generator.engine, cfg.model, 64, seed=0, extension=PlainParamsExtension)
 
 
-def learner_logprobs(state_dict, model_dir, prompt, tokens):
+def learner_logprobs(state_dict, tiny_model_dir, prompt, tokens):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.load_state_dict(state_dict)
     ids = torch.tensor([list(prompt) + list(tokens)])
     with torch.no_grad():
@@ -79,19 +74,19 @@ def learner_logprobs(state_dict, model_dir, prompt, tokens):
     return logp[len(prompt) - 1 :].numpy()
 
 
-def test_generator_serves_the_learners_version(cfg, engine, model_dir, redis_server):
+def test_generator_serves_the_learners_version(cfg, engine, tiny_model_dir, redis_server):
     from transformers import AutoModelForCausalLM
 
     # the "learner": version 3 = initial weights moved by noise
     torch.manual_seed(3)
-    learner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    learner = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     state = {k: v + 0.05 * torch.randn_like(v) for k, v in learner.state_dict().items()}
     control = RunControl(connect(redis_server.url), "test-gen-vllm:")
     publisher = setup_publisher(cfg.weights)
     subscriber = setup_subscriber(cfg.weights, publisher.address, "generator-0", have=0)
     try:
         publisher.publish(3, state)
-        gen = make_generator(cfg, engine, control, subscriber, model_dir)
+        gen = make_generator(cfg, engine, control, subscriber, tiny_model_dir)
         assert apply_newest(gen)
         assert gen.version == 3
         beat = control.heartbeats("generator")["0"]
@@ -128,7 +123,7 @@ def test_generator_serves_the_learners_version(cfg, engine, model_dir, redis_ser
         for g in decoded:
             for s in g.samples:
                 assert np.all(s.versions == 3)
-                ref = learner_logprobs(state, model_dir, g.prompt_ids, s.tokens)
+                ref = learner_logprobs(state, tiny_model_dir, g.prompt_ids, s.tokens)
                 worst = max(worst, float(np.abs(ref - s.logprobs).max()))
         assert worst < 1e-4, f"vLLM vs learner log-prob max |diff| {worst}"
     finally:
@@ -152,19 +147,19 @@ class SwitchAfter:
         return self.inner.rejected
 
 
-def groups_across_a_switch(cfg, engine, model_dir, redis_url: str, prefix: str, seed: int, polls: int):
+def groups_across_a_switch(cfg, engine, tiny_model_dir, redis_url: str, prefix: str, seed: int, polls: int):
     """Two groups generated from version 5, with version 6 arriving after ``polls`` polls of the
     pump: (the two versions' state dicts, the decoded groups)."""
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
     torch.manual_seed(seed)
     states = {v: {k: t + 0.05 * torch.randn_like(t) for k, t in base.items()} for v in (5, 6)}
     control = RunControl(connect(redis_url), prefix)
     publisher = setup_publisher(cfg.weights)
     subscriber = setup_subscriber(cfg.weights, publisher.address, "generator-0", have=0)
     try:
-        gen = make_generator(cfg, engine, control, subscriber, model_dir)
+        gen = make_generator(cfg, engine, control, subscriber, tiny_model_dir)
         publisher.publish(5, states[5])
         assert apply_newest(gen) and gen.version == 5
         publisher.publish(6, states[6])
@@ -177,7 +172,7 @@ def groups_across_a_switch(cfg, engine, model_dir, redis_url: str, prefix: str, 
         publisher.close()
 
 
-def worst_logprob_diff(states, model_dir, groups) -> float:
+def worst_logprob_diff(states, tiny_model_dir, groups) -> float:
     """The largest |vLLM - learner| log-prob over model tokens, each against its own version's weights."""
     worst = 0.0
     for g in groups:
@@ -185,18 +180,18 @@ def worst_logprob_diff(states, model_dir, groups) -> float:
             for v in (5, 6):
                 mine = (s.versions == v) & (s.mask == 1)
                 if mine.any():
-                    ref = learner_logprobs(states[v], model_dir, g.prompt_ids, s.tokens)
+                    ref = learner_logprobs(states[v], tiny_model_dir, g.prompt_ids, s.tokens)
                     worst = max(worst, float(np.abs(ref[mine] - s.logprobs[mine]).max()))
     return worst
 
 
 @pytest.mark.parametrize("mode", ["continue", "abort"])
-def test_weights_arriving_mid_generation(cfg, engine, model_dir, redis_server, mode):
+def test_weights_arriving_mid_generation(cfg, engine, tiny_model_dir, redis_server, mode):
     """continue: a trajectory's tokens carry two versions, each token's log-prob is exactly its
     version's; abort: unfinished samples restart, so every token is of the new version."""
     cfg = load_config(None, {**cfg.model_dump(), "generator.engine.on_weight_update": mode})
     # after the 3rd engine step
-    states, groups = groups_across_a_switch(cfg, engine, model_dir, redis_server.url, f"test-gen-{mode}:", 5, 3)
+    states, groups = groups_across_a_switch(cfg, engine, tiny_model_dir, redis_server.url, f"test-gen-{mode}:", 5, 3)
     samples = [(g, s) for g in groups for s in g.samples]
     assert all(set(s.versions) <= {5, 6} for _, s in samples)
     if mode == "abort":
@@ -208,11 +203,11 @@ def test_weights_arriving_mid_generation(cfg, engine, model_dir, redis_server, m
         assert all(np.all(np.diff(s.versions) >= 0) for _, s in samples), "versions only move forward"
         switched = [g for g in groups if any(set(s.versions) == {5, 6} for s in g.samples)]
         assert all(g.version == 5 for g in switched), "a trajectory counts as its oldest version"
-    worst = worst_logprob_diff(states, model_dir, groups)
+    worst = worst_logprob_diff(states, tiny_model_dir, groups)
     assert worst < 1e-4, f"vLLM vs learner log-prob max |diff| {worst}"
 
 
-def test_a_multi_turn_episode_crossing_two_versions_under_continue(cfg, engine, model_dir, redis_server):
+def test_a_multi_turn_episode_crossing_two_versions_under_continue(cfg, engine, tiny_model_dir, redis_server):
     """Three-turn environment episodes, weights switching from version 5 to 6 mid-flight: model
     tokens carry the version that sampled each and its exact log-prob (environment tokens: mask 0,
     version -1); the learner's forward pass over the whole sequence agrees on every model token."""
@@ -227,7 +222,7 @@ def test_a_multi_turn_episode_crossing_two_versions_under_continue(cfg, engine, 
         },
     )
     # a few steps into the episodes
-    states, groups = groups_across_a_switch(cfg, engine, model_dir, redis_server.url, "test-gen-multiturn:", 7, 8)
+    states, groups = groups_across_a_switch(cfg, engine, tiny_model_dir, redis_server.url, "test-gen-multiturn:", 7, 8)
     samples = [s for g in groups for s in g.samples]
     assert all(s.turns == 3 and s.status == "ok" for s in samples)
     assert any(set(s.model_versions) == {5, 6} for s in samples), "no episode spanned the switch"
@@ -235,7 +230,7 @@ def test_a_multi_turn_episode_crossing_two_versions_under_continue(cfg, engine, 
         env = s.mask == 0
         assert env.any() and np.all(s.versions[env] == -1) and np.all(s.logprobs[env] == 0)
         assert np.all(np.diff(s.model_versions) >= 0), "versions only move forward"
-    worst = worst_logprob_diff(states, model_dir, groups)
+    worst = worst_logprob_diff(states, tiny_model_dir, groups)
     assert worst < 1e-4, f"vLLM vs learner log-prob max |diff| {worst}"
 
 
@@ -251,21 +246,21 @@ def run_request(engine, prompt: list[int], sampling) -> tuple[list[int], list[fl
                 return tokens, logprobs, out.finish_reason
 
 
-def test_the_probe_scores_what_the_learner_computes(engine, model_dir):
+def test_the_probe_scores_what_the_learner_computes(engine, tiny_model_dir):
     """``score`` (the weight-sync probe) gives the learner's log-probs of a sequence, at temperature 1."""
     from transformers import AutoModelForCausalLM
 
     from asyncrl.learners.worker import probe_logprobs
 
     torch.manual_seed(11)
-    learner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    learner = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     learner.load_state_dict({k: v + 0.05 * torch.randn_like(v) for k, v in learner.state_dict().items()})
     engine.load_weights(learner.state_dict())
     ids = list(range(3, 40))
     assert engine.score(ids) == pytest.approx(probe_logprobs(learner, ids), abs=1e-4)
 
 
-def test_truncated_sampling_reports_the_truncated_distributions_logprobs(engine, model_dir):
+def test_truncated_sampling_reports_the_truncated_distributions_logprobs(engine, tiny_model_dir):
     """top_k, top_p and min_p: vLLM's behaviour log-probs are of the renormalised truncated
     distribution, exactly what the transformers engine computes for the same tokens."""
     from transformers import AutoModelForCausalLM
@@ -273,7 +268,7 @@ def test_truncated_sampling_reports_the_truncated_distributions_logprobs(engine,
     from asyncrl.generators.engine import Sampling
     from asyncrl.generators.hf_engine import processed_logprobs
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     engine.load_weights(model.state_dict())
     prompt = [1, 7, 12, 30, 9]
     for top_k, top_p, min_p in [(5, 1.0, 0.0), (0, 0.7, 0.0), (0, 1.0, 0.2), (8, 0.9, 0.05)]:
@@ -286,15 +281,15 @@ def test_truncated_sampling_reports_the_truncated_distributions_logprobs(engine,
         assert all(math.isfinite(x) for x in logprobs)
 
 
-def test_a_stop_string_ends_the_turn_with_its_token(engine, model_dir):
+def test_a_stop_string_ends_the_turn_with_its_token(engine, tiny_model_dir):
     """Generation ends at the token that completes a stop string; the text the episode reads ends with it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncrl.chat import stop_at
     from asyncrl.generators.engine import Sampling
 
-    engine.load_weights(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict())
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict())
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt = tok.encode("sort:dcba=")
     free, _, _ = run_request(engine, prompt, Sampling(1, 0.0, 1.0, 12))
     text = tok.decode(free, skip_special_tokens=True)
@@ -305,7 +300,7 @@ def test_a_stop_string_ends_the_turn_with_its_token(engine, model_dir):
     assert tokens == free[:cut] and reason == "stop"
 
 
-def test_a_reload_does_not_warn_of_the_rotary_cache(engine, model_dir):
+def test_a_reload_does_not_warn_of_the_rotary_cache(engine, tiny_model_dir):
     """vLLM warns "RotaryEmbedding: Failed to load weights" at every reload (its cos/sin cache is no
     checkpoint's): harmless, and dropped at its logger; every other record of that logger passes."""
     import logging
@@ -321,7 +316,7 @@ def test_a_reload_does_not_warn_of_the_rotary_cache(engine, model_dir):
     logger.addHandler(handler)
     note = next(f for f in logger.filters if isinstance(f, RotaryReloadNote))
     try:
-        engine.load_weights(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict())
+        engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict())
         assert note.explained  # vLLM did say it: the filter took it
         logger.warning("another warning")
     finally:

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 from demo_launch import DEMO, assert_one_line_error, asyncrl
-from generator_common import make_generator, play_groups, save_tiny_model
+from generator_common import make_generator, play_groups
 
 from asyncrl import buffers
 from asyncrl.config import load_config
@@ -22,17 +22,12 @@ from asyncrl.protocol import decode_group
 from asyncrl.weights import MemoryWeightBus
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("model"))
-
-
 def write_prompts(path, prompts: list[str]) -> str:
     path.write_text("".join(json.dumps({"prompt": p, "answer": "abc"}) + "\n" for p in prompts))
     return str(path)
 
 
-def test_dry_run_names_the_first_prompt_that_does_not_fit(tmp_path, model_dir):
+def test_dry_run_names_the_first_prompt_that_does_not_fit(tmp_path, tiny_model_dir):
     long = "sort:" + "a" * MAX_POSITIONS + "="
     train = write_prompts(tmp_path / "train.jsonl", ["sort:cba=", "sort:ba=", long, long])
     proc = asyncrl(
@@ -40,7 +35,7 @@ def test_dry_run_names_the_first_prompt_that_does_not_fit(tmp_path, model_dir):
         "--config",
         str(DEMO),
         "--set",
-        f"model.path={model_dir}",
+        f"model.path={tiny_model_dir}",
         "--set",
         "model.recipe=null",
         "--set",
@@ -50,17 +45,17 @@ def test_dry_run_names_the_first_prompt_that_does_not_fit(tmp_path, model_dir):
     assert_one_line_error(proc, "train.jsonl:3", f"context of {MAX_POSITIONS} tokens", "1 more lines")
 
 
-def test_prompts_that_fit_pass(tmp_path, model_dir):
+def test_prompts_that_fit_pass(tmp_path, tiny_model_dir):
     train = write_prompts(tmp_path / "train.jsonl", ["sort:cba=", "sort:ba="])
     proc = asyncrl(
-        "launch", "--config", str(DEMO), "--set", f"model.path={model_dir}", "--set", "model.recipe=null",
+        "launch", "--config", str(DEMO), "--set", f"model.path={tiny_model_dir}", "--set", "model.recipe=null",
         "--set", f"data.train={train}", "--dry-run",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.redis
-def test_a_launch_checks_the_prompts_beside_its_start_and_stops_with_the_same_error(tmp_path, model_dir):
+def test_a_launch_checks_the_prompts_beside_its_start_and_stops_with_the_same_error(tmp_path, tiny_model_dir):
     """A real launch checks the lengths on a thread while redis and the children start: a dataset that does
     not fit ends the run with the dry run's one-line error (a user error: exit 2), every process stopped, the
     summary failed, and no nanobind dump from the launcher (it keeps triton out: it compiles nothing)."""
@@ -68,7 +63,7 @@ def test_a_launch_checks_the_prompts_beside_its_start_and_stops_with_the_same_er
     train = write_prompts(tmp_path / "train.jsonl", ["sort:cba=", "sort:ba=", long, long])
     proc = asyncrl(
         "launch", "--config", str(DEMO), "--name", "long", "--set", f"run.out_dir={tmp_path}",
-        "--set", f"model.path={model_dir}", "--set", "model.recipe=null", "--set", f"data.train={train}",
+        "--set", f"model.path={tiny_model_dir}", "--set", "model.recipe=null", "--set", f"data.train={train}",
         "--set", "generator.engine.type=hf", "--generators", "1", "--learners", "1",
     )  # fmt: skip
     assert proc.returncode == 2 and "leaked" not in proc.stderr, proc.stderr[-3000:]
@@ -80,13 +75,13 @@ def test_a_launch_checks_the_prompts_beside_its_start_and_stops_with_the_same_er
 
 
 @pytest.mark.redis
-def test_a_generator_skips_and_counts_a_prompt_that_does_not_fit(tmp_path, model_dir, redis_server):
+def test_a_generator_skips_and_counts_a_prompt_that_does_not_fit(tmp_path, tiny_model_dir, redis_server):
     long = "sort:" + "a" * MAX_POSITIONS + "="
     train = write_prompts(tmp_path / "train.jsonl", ["sort:cba=", long])
     cfg = load_config(
         None,
         {
-            "model.path": str(model_dir),
+            "model.path": str(tiny_model_dir),
             "model.recipe": None,
             "generator.engine.type": "hf",
             "generator.n_samples": 2,
@@ -102,7 +97,9 @@ def test_a_generator_skips_and_counts_a_prompt_that_does_not_fit(tmp_path, model
     control = RunControl(connect(redis_server.url), prefix)
     buffer = buffers.setup(cfg.buffer, redis_server.url, prefix)
     engine = HfEngine(cfg.model, seed=0)
-    gen = make_generator(cfg, engine, control, MemoryWeightBus().subscriber("generator-0", have=0), model_dir, buffer)
+    gen = make_generator(
+        cfg, engine, control, MemoryWeightBus().subscriber("generator-0", have=0), tiny_model_dir, buffer
+    )
     seqs = [buffer.try_start_group(0, cfg.run.max_policy_lag, 2) for _ in range(8)]
     seqs = [s for s in seqs if s is not None]
     play_groups(gen, seqs)  # prompts are drawn by sequence number: some of them are the long one
