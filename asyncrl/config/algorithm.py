@@ -19,7 +19,7 @@ from asyncrl.errors import UserError
 
 
 class AlgorithmConfig(Section):
-    """A preset by name; every other field left unset (null) takes the preset's value (README table)."""
+    """A preset by name; every other field left unset (null) takes the preset's value (docs/algorithms.md)."""
 
     name: PresetName = Field("grpo", description="Algorithm preset: expands to the pieces below.")
     advantage: AdvantageName | None = Field(None, description="Advantage estimator (gae needs a critic).")

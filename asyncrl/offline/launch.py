@@ -32,7 +32,7 @@ MODES = {
 def add_parsers(sub) -> None:
     for mode, what in MODES.items():
         p = sub.add_parser(mode, help=what)
-        p.add_argument("--config", help="YAML config (README: Training modes); defaults apply to the rest")
+        p.add_argument("--config", help="YAML config (docs/offline.md); defaults apply to the rest")
         p.add_argument("--learners", type=int, help="learner ranks on this host (run.learners)")
         p.add_argument("--steps", type=int, help="optimizer steps (run.steps)")
         p.add_argument("--name", help="run name; the run directory is runs/<name> (run.name)")

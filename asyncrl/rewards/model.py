@@ -30,7 +30,7 @@ def check_export(path: Path) -> Path:
     for name in ("config.json", REWARD_HEAD):
         if not (path / name).is_file():
             raise UserError(
-                f"data.reward={PREFIX}{path}: not an asyncrl rm export (no {name}; see README: Training modes)"
+                f"data.reward={PREFIX}{path}: not an asyncrl rm export (no {name}; see docs/offline.md)"
             )
     return path
 

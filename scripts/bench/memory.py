@@ -9,7 +9,7 @@ set-up and ``--steps`` steps. The parameter bytes are the model's unique float32
 (tied embeddings counted once), whatever ``model.dtype`` is.
 
     .venv/bin/python scripts/bench/memory.py --allocator both --checkpointing on   # SmolLM2-135M, ZeRO 0 f32
-    RESULT system_learner_peak_rss_gb 3.292      # measured on 2 shared cores (README's tables)
+    RESULT system_learner_peak_rss_gb 3.292      # measured on 2 shared cores (docs/models.md's tables)
     RESULT jemalloc_learner_peak_rss_gb 2.902
     RESULT jemalloc_over_system_peak_rss 0.882
     RESULT jemalloc_over_system_step_seconds 0.920

@@ -1,4 +1,4 @@
-"""The demo pipeline, stage by stage, each one command on its config (README: Training modes):
+"""The demo pipeline, stage by stage, each one command on its config (docs/offline.md):
 
     asyncrl sft    --config configs/sort-sft.yaml      # correct sorting, from the demo model's buggy warm-up
     asyncrl rm     --config configs/sort-rm.yaml       # a reward model on (sorted, wrong) pairs

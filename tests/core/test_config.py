@@ -110,16 +110,17 @@ def test_help_is_fast_and_imports_nothing_heavy():
     assert proc.stdout.strip() == "False"
 
 
-def test_readme_config_reference_is_generated_from_the_models():
+def test_config_reference_page_is_generated_from_the_models():
     sys.path.insert(0, str(ROOT / "scripts"))
     import config_reference
 
-    readme = (ROOT / "README.md").read_text()
-    assert config_reference.readme_table(readme) == config_reference.render(), (
-        "README's config reference is stale: run `python scripts/config_reference.py --write`"
+    assert config_reference.PAGE == ROOT / "docs" / "configuration.md"
+    page = config_reference.PAGE.read_text()
+    assert config_reference.page_table(page) == config_reference.render(), (
+        "docs/configuration.md's config reference is stale: run `python scripts/config_reference.py --write`"
     )
     for field in ("weights.dir", "generator.engine.kv_cache_gb", "buffer.url", "algorithm.icepop_low"):
-        assert f"| `{field}` |" in readme
+        assert f"| `{field}` |" in page
 
 
 @pytest.mark.parametrize(
