@@ -1,8 +1,9 @@
-"""The command line of a demo run, for tests that drive `asyncrl launch` as a user would, and what a one-line
-error of the CLI looks like."""
+"""The command line of a demo run, for tests that drive `asyncrl launch` as a user would, what a one-line
+error of the CLI looks like, and how a test reads a run (its status, its metrics)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -36,3 +37,15 @@ def asyncrl(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         env={**os.environ, **(env or {})},
         timeout=120,
     )
+
+
+def status_json(run_dir: Path) -> dict | None:
+    """``asyncrl status --run RUN_DIR --json``, or None while the run cannot answer yet."""
+    if not (run_dir / "run.json").exists():
+        return None
+    out = asyncrl("status", "--run", str(run_dir), "--json")
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -14,13 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from demo_launch import ROOT, demo_launch_cmd
+from demo_launch import ROOT, demo_launch_cmd, read_metrics, status_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
-
-
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def launch(tmp_path: Path, name: str, *args: str, timeout: float = 900) -> tuple[dict, list[dict], Path]:
@@ -39,10 +35,9 @@ def launch(tmp_path: Path, name: str, *args: str, timeout: float = 900) -> tuple
     return summary, read_metrics(run_dir / "metrics.jsonl"), run_dir
 
 
-def test_async_demo_learns_and_keeps_the_lag_bound(tmp_path):
-    summary, metrics, run_dir = launch(
-        tmp_path, "e2e-async", "--generators", "2", "--learners", "2", "--max-policy-lag", "2"
-    )
+def test_async_demo_learns_and_keeps_the_lag_bound(demo_run):
+    assert demo_run.returncode == 0, demo_run.output[-3000:]
+    summary, metrics, run_dir = demo_run.summary, demo_run.metrics, demo_run.run_dir
     steps = [m["learner/version"] for m in metrics if "learner/version" in m]
     assert steps == list(range(1, summary["final_version"] + 1)) and summary["exit_reason"] == "completed"
     assert summary["max_staleness_seen"] <= 2
@@ -64,8 +59,13 @@ def test_async_demo_learns_and_keeps_the_lag_bound(tmp_path):
     assert mismatch and max(mismatch) < 0.01
     check_sync_health(metrics, generators=2)
     assert (run_dir / "checkpoint").is_dir() and (run_dir / "logs" / "generator-1.log").is_file()
-    check_watching(run_dir, metrics, summary)
-    # the export loads in vLLM too (own process: one vLLM engine per process)
+
+
+def test_the_export_loads_in_vllm_and_in_transformers_alike(demo_run):
+    """The export loads in vLLM too (own process: one vLLM engine per process) and both decode alike."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = demo_run.run_dir / "export"
     code = (
         "import sys; from vllm import LLM, SamplingParams; "
         "llm = LLM(model=sys.argv[1], dtype='float32', enforce_eager=True, max_model_len=64); "
@@ -73,22 +73,21 @@ def test_async_demo_learns_and_keeps_the_lag_bound(tmp_path):
     )
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", code, str(run_dir / "export")], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", code, str(export)], capture_output=True, text=True, env=env, timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(run_dir / "export")
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "export")
+    tok = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export)
     ids = tok("sort:dcba=", return_tensors="pt").input_ids
     hf = tok.decode(model.generate(ids, do_sample=False, max_new_tokens=8)[0, ids.shape[1] :], skip_special_tokens=True)
     assert f"OUT {hf}\n" in out.stdout, (hf, out.stdout[-500:])
 
 
-def check_watching(run_dir: Path, metrics: list[dict], summary: dict) -> None:
+def test_the_run_is_watchable_in_tensorboard_and_plots(demo_run):
     """The run's TensorBoard files hold what metrics.jsonl does; `asyncrl plot` draws it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    run_dir, metrics, summary = demo_run.run_dir, demo_run.metrics, demo_run.summary
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     for tag, want in (
@@ -106,6 +105,29 @@ def check_watching(run_dir: Path, metrics: list[dict], summary: dict) -> None:
 
     with Image.open(run_dir / "dashboard.png") as png:
         assert png.format == "PNG" and png.size == (1200, 880)
+
+
+def test_status_of_the_demo_while_it_runs(demo_run):
+    st = demo_run.live
+    assert st["state"] == "running" and st["source"] == "live"
+    gens = st["generators"]
+    assert set(gens) == {"0", "1"} and all(g["alive"] and g["age_s"] < 30 for g in gens.values()), gens
+    assert all(0 <= g["lag"] <= st["version"] for g in gens.values())
+    assert set(st["consumers"]) <= {"rank0", "rank1"}
+    b = st["buffer"]
+    assert b["pushed"] > 0 and b["queued"] >= 0 and b["pending"] >= 0 and b["lost"] == 0
+
+
+def test_status_of_the_demo_after_it_ended(demo_run):
+    """Read back from the append-only file of the ended run: the counters the launcher summed up at the end."""
+    summary = demo_run.summary
+    st = status_json(demo_run.run_dir)
+    assert st is not None
+    assert st["state"] == "ended" and st["version"] == summary["final_version"] >= 2, (st, summary)
+    assert st["buffer"]["pushed"] > 0 and st["buffer"]["lost"] == 0
+    assert {k: st["buffer"][k] for k in summary["buffer"]} == summary["buffer"]
+    assert sum(st["staleness"].values()) > 0 and {int(k) for k in st["staleness"]} <= {0, 1, 2}
+    assert not any(g["alive"] for g in st["generators"].values())
 
 
 def test_sync_mode_never_trains_on_stale_data(tmp_path):

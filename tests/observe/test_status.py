@@ -1,6 +1,6 @@
 """``asyncrl status`` against a real redis-server: the exact numbers of a buffer we filled by hand,
-live and from the copied append-only file of a stopped server, the error cases, and (slow) a real
-demo launch while it runs and after it ended."""
+live and from the copied append-only file of a stopped server, and the error cases. A real demo launch
+while it runs and after it ended: tests/e2e/test_e2e.py (the shared demo run)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
-from demo_launch import ROOT, demo_launch_cmd
+from demo_launch import ROOT
 
 from asyncrl.buffers import run_prefix
 from asyncrl.buffers.redis_buffer import RedisBuffer
@@ -253,73 +252,3 @@ def test_render_is_plain_rich(redis_server, tmp_path):
     render(status(redis_url=redis_server.url, prefix=prefix), console)
     text = console.export_text()
     assert "dead letters: 3" in text and "0 behind: 2" in text
-
-
-# ----- slow: a real demo launch -----------------------------------------------------------------
-
-
-def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert proc.poll() is None, f"launcher exited early ({proc.returncode}) while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(1.0)
-    return value
-
-
-def status_or_none(run_dir: Path) -> dict | None:
-    if not (run_dir / "run.json").exists():
-        return None
-    out = cli("--run", str(run_dir), "--json")
-    return json.loads(out.stdout) if out.returncode == 0 else None
-
-
-@pytest.mark.slow
-@pytest.mark.redis
-@pytest.mark.vllm
-def test_status_of_a_demo_launch_while_running_and_after(tmp_path):
-    """While a run goes, and after it ended. The run is far longer than the test looks at it and is
-    stopped with Ctrl-C once the live status is checked: a run that could end first (6 demo steps take a
-    few seconds) let the status be read only after the end (CI, once)."""
-    import signal
-
-    pytest.importorskip("vllm")
-    pytest.importorskip("deepspeed")
-    run_dir = tmp_path / "st"
-    # cpu_scheduling off: both generators start with the learners (on 2 cores the launcher would hold
-    # generator 1 back until the learners are ready)
-    cmd = demo_launch_cmd(tmp_path, "st", "--generators", "2", "--learners", "2", "--steps", "100000",
-                          "--max-policy-lag", "1", "--set", "run.eval_every=0",
-                          "--set", "run.cpu_scheduling=false")  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        st = wait_for(
-            lambda: (s := status_or_none(run_dir)) and s["version"] >= 2 and len(s["generators"]) == 2 and s,
-            600,
-            "learner version 2 with both generators registered",
-            proc,
-        )
-        assert st["state"] == "running" and st["source"] == "live"
-        gens = st["generators"]
-        assert set(gens) == {"0", "1"} and all(g["alive"] and g["age_s"] < 30 for g in gens.values()), gens
-        assert all(0 <= g["lag"] <= st["version"] for g in gens.values())
-        assert set(st["consumers"]) <= {"rank0", "rank1"}
-        b = st["buffer"]
-        assert b["pushed"] > 0 and b["queued"] >= 0 and b["pending"] >= 0 and b["lost"] == 0
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: every process stops, the summary is written
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, out[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    st = cli_json("--run", str(run_dir))
-    assert st["state"] == "ended" and st["version"] == summary["final_version"] >= 2, (st, summary)
-    # Read back from the append-only file: the counters the launcher summed up at the end. (``trained``
-    # may be 0: a stopped learner acknowledges only what its last committed checkpoint holds; the rest goes
-    # back to the queue, not lost.)
-    assert st["buffer"]["pushed"] > 0 and st["buffer"]["lost"] == 0
-    assert {k: st["buffer"][k] for k in summary["buffer"]} == summary["buffer"]
-    assert sum(st["staleness"].values()) > 0 and {int(k) for k in st["staleness"]} <= {0, 1}
-    assert not any(g["alive"] for g in st["generators"].values())
