@@ -21,7 +21,9 @@ key                 type                  contents
 ``P version``       string                the learner's policy version (absent: 0)
 ``P meta``          hash                  ``weights_address``, ``final_version``, ...: written once;
                                           ``tied`` (the model's tied names, JSON), ``probe:<v>`` (the
-                                          learner's probe log-probs of version v, JSON; eight kept)
+                                          learner's probe log-probs of version v, JSON; eight kept),
+                                          ``probe_diff:<v>`` (the largest probe difference a generator
+                                          found at version v; eight kept)
 ``P hb:<role>:<id>``hash, expires         heartbeat of one process: version served, pid, time
 ``P seen:<role>``   hash                  every process ever seen: id -> its last heartbeat (JSON)
 ``P staleness``     hash                  staleness of trained groups: steps behind -> groups

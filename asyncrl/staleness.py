@@ -4,7 +4,8 @@ Policy version ``v`` counts learner optimizer steps (initial weights are version
 version is the OLDEST version among its tokens. ``max_policy_lag = k`` bounds how old a trajectory
 may be when the learner consumes it, and admission control keeps generators from starting work
 that could only arrive stale. The Redis buffer applies the same rules atomically in Lua
-(``buffers/redis_buffer.py``, installed as ``asyncrl.buffers.redis_buffer``); the property tests in ``tests/core/test_staleness.py`` pin both.
+(``buffers/redis_buffer.py``, installed as ``asyncrl.buffers.redis_buffer``); the property tests in
+``tests/core/test_staleness.py`` pin both.
 """
 
 from __future__ import annotations

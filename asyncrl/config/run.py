@@ -25,7 +25,10 @@ class RunConfig(Section):
         description="k: a learner step at version v trains only on trajectories of version >= v - k. 0 = on-policy.",
     )
     generators: int = Field(
-        1, ge=0, le=256, description="Generator processes the launcher starts (0: only those that join, see docs/fleet.md)."
+        1,
+        ge=0,
+        le=256,
+        description="Generator processes the launcher starts (0: only those that join, see docs/fleet.md).",
     )
     learners: int = Field(1, ge=1, le=64, description="Learner ranks (one torch.distributed group).")
     local_learners: int | None = Field(

@@ -21,8 +21,10 @@ Protocol ``asyncrl.reward`` version 1 (JSON over HTTP/1.1, UTF-8)::
                                            # reward_error, reward_timeout (the server's deadline) or
                                            # reward_invalid (the function returned a non-number)
 
-    400 bad request (not JSON, another schema or version, a field of the wrong type)
-    401 no or wrong token     409 the id was seen with a different request     413 body too large
+    400 bad request (not JSON, nested deeper than 64 levels, another schema or version, an unknown
+        field, a field of the wrong type)
+    401 no or wrong token     408 the body did not arrive within the read deadline (5 s + size at 1 MiB/s)
+    409 the id was seen with a different request     413 body too large
     429 too many pending requests     503 shutting down     other 5xx: the server failed
     (a non-200 body is {"error": str}, or plain text from the HTTP layer itself)
 
