@@ -14,18 +14,13 @@ fixes them) and prints the blob too. The report header names the profile and the
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import settings
+from services import in_ci, require_redis_binary
 
-from asyncrl.fleet.redis_server import REDIS_BINARY, RedisServer, start_redis_server
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
-
+from asyncrl.fleet.redis_server import RedisServer, start_redis_server
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("dev", print_blob=True)
@@ -42,14 +37,6 @@ def pytest_report_header(config: pytest.Config) -> str:
             f"{chosen} (--hypothesis-seed)" if chosen is not None else "random per run (--hypothesis-seed=N fixes it)"
         )
     return f"hypothesis: profile {HYPOTHESIS_PROFILE!r}, seed {seed}, print_blob {settings.default.print_blob}"
-
-
-def require_redis_binary() -> None:
-    if shutil.which(REDIS_BINARY) is None:
-        msg = f"{REDIS_BINARY} not on PATH (apt-get install redis-server)"
-        if in_ci():
-            pytest.fail(msg + "; CI=true, so this is a failure, not a skip")
-        pytest.skip(msg)
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,6 @@ import msgpack
 import numpy as np
 import pytest
 import redis
-from conftest import require_redis_binary
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -45,6 +44,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from services import require_redis_binary
 
 from asyncrl.buffers import Buffer, MemoryBuffer, run_prefix
 from asyncrl.buffers.base import COUNTER_KEYS, OUTCOMES, DeadLetter, Entry, live_groups, lost_groups

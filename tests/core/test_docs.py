@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import in_ci
+from services import in_ci
 
 from asyncrl import MOVED_MODULES
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import in_ci
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from services import in_ci
 
 from asyncrl.chat import ChatTokens
 from asyncrl.demo.model import build_tokenizer

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import in_ci
 from demo_launch import DEMO, ROOT, assert_one_line_error
+from services import in_ci
 
 from asyncrl.config import dump_config, load_config
 from asyncrl.errors import UserError

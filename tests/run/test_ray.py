@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import in_ci
 from demo_launch import ROOT, demo_launch_cmd
+from services import in_ci
 
 from asyncrl.run.ray_backend import (
     ACTOR_LOST,

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import in_ci, require_redis_binary
 from demo_launch import ROOT
+from services import in_ci, require_redis_binary
 
 from asyncrl.cli import build_parser
 from asyncrl.errors import UserError
