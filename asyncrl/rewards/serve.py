@@ -24,6 +24,17 @@ The wire protocol (``asyncrl.reward`` version 1) is documented in :mod:`asyncrl.
   ``Authorization: Bearer <token>`` on every request. The token is read from ``--token-file`` (made,
   0600, when missing), else ``$ASYNCRL_REWARD_TOKEN``, else generated into a temporary 0600 file
   removed at exit. Only the file's path is ever printed or logged.
+* **Strict about requests.** A body must arrive within a read deadline (:func:`read_deadline_s`:
+  seconds, more for a large body), else it is answered 408 and its connection closed, so a client
+  that promised more bytes than it sends holds no connection. A body nested deeper than
+  :data:`MAX_DEPTH` (a 100k-level ``[[[...`` included, which the JSON parser cannot even read) and a
+  request with a field the protocol does not name are answered 400, naming the depth or the fields:
+  the client (``asyncrl.rewards.remote``) sends exactly the protocol's fields, so an unknown one is a
+  client of another protocol or version, whose request would be misread if its extra were dropped.
+* **Signals.** SIGINT (Ctrl-C) and SIGTERM stop the server at any point, start-up included, even
+  when it was started with SIGINT ignored (a background job of a non-interactive shell): it exits
+  130 on SIGINT and 143 on SIGTERM (128 + the signal, as a shell reports a process the signal
+  killed), after answering 503 to what was still computing and stopping its workers.
 """
 
 from __future__ import annotations
@@ -54,6 +65,17 @@ CACHE_SIZE = 10_000  # answers kept by id: far more than any client's retries ca
 MAX_PENDING = 4096  # items queued or computing; past this a request is answered 429 (back-pressure)
 MAX_BODY = 32 * 2**20  # one request's bytes: a long prompt, completion and record fit many times over
 READY_TIMEOUT_S = 120.0  # a worker's start-up: a heavy reward module (sympy, torch) can take this long
+# A request's body arrives within READ_DEADLINE_S plus its size at READ_MIN_RATE: a client sends it at
+# once, and even the largest (MAX_BODY) takes seconds at this rate; a stalled sender is cut off.
+READ_DEADLINE_S = 5.0
+READ_MIN_RATE = 2**20  # bytes per second
+# After an answer given before its body was read (408, 401, 413), the rest is drained this long before
+# the connection closes: aiohttp's default (10 s) would let a stalled sender hold it on.
+LINGER_S = 1.0
+# Nesting of a request's JSON: dataset records are a few levels deep; this stays far below the recursion
+# limit (1000) under which the JSON codec parses the request here and again in a worker.
+MAX_DEPTH = 64
+FIELDS = ("schema", "version", "id", "prompt", "completion", "record")  # a version-1 request, no more
 _LINE_LIMIT = MAX_BODY + 2**20  # longest line read from a worker
 _WORKER_CODE = "import sys; from asyncrl.rewards.serve import worker_main; sys.exit(worker_main(sys.argv[1]))"
 
@@ -254,9 +276,17 @@ class Service:
         if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), self._expected):
             return _fail(401, "missing or wrong bearer token")
         try:
-            msg = json.loads(await request.read())
+            body = await asyncio.wait_for(request.read(), read_deadline_s(request.content_length))
+        except TimeoutError:
+            response = _fail(408, "the request's body did not arrive in time")
+            response.force_close()  # the rest of the body may still come: never read it as a request
+            return response
+        try:
+            msg = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             return _fail(400, f"the body is not JSON: {exc}")
+        except RecursionError:
+            return _fail(400, f"the body is nested more than {MAX_DEPTH} levels deep")
         problem = check_request(msg)
         if problem:
             return _fail(400, problem)
@@ -306,12 +336,34 @@ def _fail(status: int, error: str):
     return _reply({"error": error}, status)
 
 
+def read_deadline_s(content_length: int | None) -> float:
+    """How long a request's body may take to arrive (see :data:`READ_DEADLINE_S`)."""
+    return READ_DEADLINE_S + min(content_length or 0, MAX_BODY) / READ_MIN_RATE
+
+
+def json_depth(value: object) -> int:
+    """Nesting depth of parsed JSON (a scalar is 0, ``[]`` is 1), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
 def check_request(msg: object) -> str | None:
     """Why ``msg`` is not a version-1 request, or None."""
     if not isinstance(msg, dict):
         return "the body must be a JSON object"
     if msg.get("schema") != SCHEMA or msg.get("version") != VERSION:
         return f"this server speaks {SCHEMA!r} version {VERSION}, not {msg.get('schema')!r} {msg.get('version')!r}"
+    unknown = sorted(set(msg) - set(FIELDS))
+    if unknown:
+        names = ", ".join(map(repr, unknown))
+        return f"unknown field(s) {names}: a version-{VERSION} request has only {', '.join(FIELDS)}"
+    if json_depth(msg) > MAX_DEPTH:
+        return f"the body is nested more than {MAX_DEPTH} levels deep"
     rid = msg.get("id")
     if not isinstance(rid, str) or not 1 <= len(rid) <= 128:
         return "'id' must be a string of 1-128 characters"
@@ -351,7 +403,8 @@ def load_token(token_file: str | None) -> tuple[str, Path | None, bool]:
 
 
 def serve(reward: str, *, host="127.0.0.1", port=0, workers=None, deadline_s=20.0, token_file=None) -> int:
-    """Serve ``reward`` until SIGTERM or SIGINT; prints its URL (never its token) once it is ready."""
+    """Serve ``reward`` until SIGINT (returns 130) or SIGTERM (143); prints its URL (never its token)
+    once it is ready."""
     from asyncrl.observe.metrics import setup_logging
 
     workers = workers if workers is not None else (os.cpu_count() or 1)
@@ -360,40 +413,66 @@ def serve(reward: str, *, host="127.0.0.1", port=0, workers=None, deadline_s=20.
     setup_logging(name="reward-serve")
     token, path, temporary = load_token(token_file)
     try:
-        return asyncio.run(_serve(reward, host, port, workers, deadline_s, token, path))
+        return asyncio.run(until_signal(_serve(reward, host, port, workers, deadline_s, token, path)))
     finally:
         if temporary and path is not None:
             path.unlink(missing_ok=True)
 
 
-async def _serve(reward, host, port, workers, deadline_s, token, token_path) -> int:
+async def until_signal(work) -> int:
+    """Run the coroutine ``work`` until SIGINT or SIGTERM, then cancel it (its cleanup runs) and return
+    128 + the signal; 0 if ``work`` ends first. The handlers are this loop's, installed
+    before ``work`` starts and whatever SIGINT disposition the process inherited (a background job's
+    is "ignore"); a second signal while ``work`` cleans up changes nothing."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(work)
+    received: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        if not received:
+            received.append(sig)
+            task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        await task
+        return 0
+    except asyncio.CancelledError:
+        if not received:
+            raise
+        return 128 + received[0]
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _serve(reward, host, port, workers, deadline_s, token, token_path) -> None:
+    """Serve until cancelled (by :func:`until_signal`)."""
     from aiohttp import web
 
     pool = WorkerPool(reward, workers, deadline_s)
-    await pool.start()
-    service = Service(pool, token)
-    runner = web.AppRunner(service.app(), access_log=None)
     try:
+        await pool.start()
+        service = Service(pool, token)
+        runner = web.AppRunner(service.app(), access_log=None, lingering_time=LINGER_S)
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port, shutdown_timeout=5.0).start()
-        except OSError as exc:
-            raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        bound = runner.addresses[0][1]
-        url = f"http://{f'[{host}]' if ':' in host else host}:{bound}/score"
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("listening on %s: requests and token travel unencrypted; keep to a trusted network", host)
-        where = f"token in {token_path}" if token_path else f"token from ${TOKEN_ENV}"
-        print(f"asyncrl reward-serve: {reward} at {url} ({workers} workers, deadline {deadline_s:g} s)", flush=True)
-        print(f"asyncrl reward-serve: {where}; clients: data.reward: http://:TOKEN@{url[7:]}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+            try:
+                await web.TCPSite(runner, host, port, shutdown_timeout=5.0).start()
+            except OSError as exc:
+                raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            bound = runner.addresses[0][1]
+            url = f"http://{f'[{host}]' if ':' in host else host}:{bound}/score"
+            if host not in ("127.0.0.1", "localhost", "::1"):
+                log.warning("listening on %s: requests and token travel unencrypted; keep to a trusted network", host)
+            where = f"token in {token_path}" if token_path else f"token from ${TOKEN_ENV}"
+            print(f"asyncrl reward-serve: {reward} at {url} ({workers} workers, deadline {deadline_s:g} s)", flush=True)
+            print(f"asyncrl reward-serve: {where}; clients: data.reward: http://:TOKEN@{url[7:]}", flush=True)
+            await asyncio.Future()  # forever: until a signal cancels this
+        finally:
+            for task in list(service.computing):  # their requests answer 503; no handler waits on a hung item
+                task.cancel()
+            await runner.cleanup()
     finally:
-        for task in list(service.computing):  # their requests answer 503; no handler waits on a hung item
-            task.cancel()
-        await runner.cleanup()
         await pool.close()
-    return 0

@@ -98,7 +98,8 @@ class Served:
 def serve_env() -> dict[str, str]:
     """The environment of a test server: tests/ importable, no token from the caller's environment."""
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
+    here = str(Path(__file__).resolve().parent)  # the rewards these tests serve live in tests/rewards/
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, str(TESTS), env.get("PYTHONPATH", "")) if p)
     return env
 
 
@@ -235,7 +236,7 @@ def test_generated_token_file_is_private_and_stop_cleans_up(tmp_path: Path):
         worker = server.post(request()).json()["reward"]
     finally:
         server.stop()
-    assert server.proc.returncode == 0
+    assert server.proc.returncode == 143  # stopped by SIGTERM (128 + 15), as documented
     assert not path.exists()  # the temporary token file goes with the server
     assert not psutil.pid_exists(int(worker))  # and so do its workers
 
