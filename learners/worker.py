@@ -168,7 +168,7 @@ def train_step(
         logprobs, values = _forward(models, batch, temperature)
         out = step_loss(preset, step, logprobs, reducer, world, max_len, ref_logprobs=ref, values=values)
         _optimizer_step(models, out)
-        return out, _mismatch(logprobs.detach(), batch)
+        return out, behaviour_mismatch(logprobs.detach(), batch)
     with torch.no_grad():
         prox, old_values = _forward(models, batch, temperature)
     inputs = prepare_batch(preset, step, prox, reducer, ref_logprobs=ref, old_values=old_values)
@@ -184,7 +184,7 @@ def train_step(
             outs.append(out)
     value_loss = torch.stack([o.value_loss.detach() for o in outs]).mean() if outs[0].value_loss is not None else None
     loss = torch.stack([o.policy_loss.detach() for o in outs]).mean()
-    return StepLoss(loss, value_loss, mean_metrics([o.metrics for o in outs])), _mismatch(prox, batch)
+    return StepLoss(loss, value_loss, mean_metrics([o.metrics for o in outs])), behaviour_mismatch(prox, batch)
 
 
 def _forward(models: Models, batch: dict, temperature: float):
@@ -212,8 +212,14 @@ def probe_logprobs(engine, ids: list[int]) -> list[float]:
     return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].tolist()
 
 
-def _mismatch(logprobs: torch.Tensor, batch: dict) -> tuple[float, float]:
-    """Sum and count of |log pi - log mu| on tokens sampled by the version this learner holds."""
+def behaviour_mismatch(logprobs: torch.Tensor, batch: dict) -> tuple[float, float]:
+    """Sum and count of |log pi - log mu| over the response tokens that the version this learner holds
+    sampled (``batch["same_version"]``), pi at batch start: what ``learner/behaviour_logprob_mismatch``
+    averages. Only there are pi and mu the same weights, so only there does the difference measure the
+    engines' disagreement and not the policy's change; the learner keeps no older weights, so stale
+    tokens are left out, and at a lag of 1 or more few or none remain (the figure is then null). The
+    weight-sync probe covers every version (``asyncrl.observe.probe``: ``weights/probe_logprob_diff_max``
+    in the same record)."""
     diff = (logprobs - batch["behaviour_logprobs"]).abs() * batch["same_version"]
     return float(diff.sum()), float(batch["same_version"].sum())
 
@@ -248,8 +254,15 @@ def step_sums(groups: list[TrajectoryGroup], batch: Batch, stale: list[int], mis
     }
 
 
-def step_record(version: int, out: StepLoss, total: dict, max_stale: float, lr: float) -> dict:
-    """The ``metrics.jsonl`` record of the step that made ``version``, from the sums over every rank."""
+def step_record(version: int, out: StepLoss, total: dict, max_stale: float, lr: float, sync: dict) -> dict:
+    """The ``metrics.jsonl`` record of the step that made ``version``, from the sums over every rank and
+    ``sync``, the weight-sync probe's figure (``asyncrl.observe.probe.read_health``).
+
+    ``learner/behaviour_logprob_mismatch``: mean |log pi - log mu| over the tokens the learner's own
+    version sampled (:func:`behaviour_mismatch`), None when there were none (most steps at a lag of 1 or
+    more); ``..._tokens``: how many. ``weights/probe_logprob_diff_max``: the largest difference between
+    the learner's and any generator's log-probs of the probe over the last versions generators applied,
+    None before the first compared: the sync-health figure, at every lag."""
     return {
         **out.metrics,  # the algorithm's: loss, correction, KL, critic
         "learner/version": version,
@@ -259,6 +272,7 @@ def step_record(version: int, out: StepLoss, total: dict, max_stale: float, lr: 
             total["mismatch_sum"] / total["mismatch_tokens"] if total["mismatch_tokens"] else None
         ),
         "learner/behaviour_logprob_mismatch_tokens": total["mismatch_tokens"],  # sampled by this version
+        "weights/probe_logprob_diff_max": sync["probe_logprob_diff_max"],
         "learner/reward_mean": total["reward_sum"] / total["samples"],
         "learner/samples": total["samples"],
         "buffer/staleness_mean": total["stale_sum"] / total["groups"],
@@ -341,7 +355,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         total = reducer.sum_dict(step_sums(groups, batch, stale, mismatch))
         (max_stale,) = reducer.max([max(stale)])
         if rank == 0:
-            record = step_record(version + 1, out, total, max_stale, engine.get_lr()[0])
+            record = step_record(version + 1, out, total, max_stale, engine.get_lr()[0], probe.read_health(control))
             record.update(timings.record())
             record["learner/wall_seconds"] = time.time() - t_start
             metrics.log({**record, "time/step_end_at": step_end_at})

@@ -4,9 +4,17 @@ After each step, the learner scores one fixed token sequence (the probe) with th
 to publish and writes those log-probs to the run's metadata (``probe:<version>``, before the version
 is published, so it is always there when a generator looks). After each apply, a generator scores
 the same sequence with its engine (vLLM's prompt log-probs, or a transformers forward) and logs the
-largest difference per token as ``weights/probe_logprob_diff``. It is cheap (one prefill of at most
-``PROBE_TOKENS`` tokens per version), always on, and independent of the lag: unlike the behaviour
-log-prob mismatch, which only tokens sampled by the learner's own version can show.
+largest difference per token as ``weights/probe_logprob_diff``; it also keeps the largest difference
+any generator found at that version in the metadata (``probe_diff:<version>``, atomically: generators
+apply a version at once).
+
+This is the run's sync-health figure. It is cheap (one prefill of at most ``PROBE_TOKENS`` tokens per
+version), always on, and independent of the lag: every version every generator applies is compared.
+The learner's step record carries it as ``weights/probe_logprob_diff_max`` (:func:`read_health`: the
+largest over the kept versions), and ``asyncrl status`` shows it. The behaviour log-prob mismatch
+(``learner/behaviour_logprob_mismatch``) is no substitute: the learner holds only its own version's
+weights, so it can compare only the tokens that version sampled, and at a lag of 1 or more there are
+few or none (it is then null, with ``learner/behaviour_logprob_mismatch_tokens`` 0).
 
 Both sides score at temperature 1 (raw log-probs, what vLLM's prompt log-probs are). The probe is the
 first training prompt as the generators encode it, at most ``PROBE_TOKENS`` tokens.
@@ -15,13 +23,25 @@ first training prompt as the generators encode it, at most ``PROBE_TOKENS`` toke
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 from asyncrl.chat import ChatTokens
 from asyncrl.data import prompt_of
 
 PROBE_TOKENS = 64
 KEEP_VERSIONS = 8  # probes kept in Redis: a generator that applies a version this late gets none
+FIELD_PREFIX = "probe:"  # the run's metadata field of version v is probe:<v>
+DIFF_PREFIX = "probe_diff:"  # ... and the largest difference a generator found at v, probe_diff:<v>
+# Keep the larger of the stored and the new difference; a non-finite one (stored as "nan") stays: it is
+# the worst there is.
+_KEEP_MAX = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+local new = tonumber(ARGV[2])
+if cur and not tonumber(cur) then return 0 end
+if (not cur) or (not new) or tonumber(cur) < new then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+return 1
+"""
 
 
 def probe_ids(chat: ChatTokens, first_record: dict) -> list[int]:
@@ -31,22 +51,58 @@ def probe_ids(chat: ChatTokens, first_record: dict) -> list[int]:
 
 
 def field(version: int) -> str:
-    return f"probe:{version}"
+    return f"{FIELD_PREFIX}{version}"
+
+
+def diff_field(version: int) -> str:
+    return f"{DIFF_PREFIX}{version}"
+
+
+def is_probe_field(name: str) -> bool:
+    """Whether a metadata field is the probe's (its log-probs or a difference), not the run's own."""
+    prefix = DIFF_PREFIX if name.startswith(DIFF_PREFIX) else FIELD_PREFIX
+    return name.startswith(prefix) and name[len(prefix) :].lstrip("-").isdigit()
 
 
 def publish(control, version: int, logprobs: Sequence[float]) -> None:
-    """The learner's log-probs of version ``version`` (older probes are dropped)."""
+    """The learner's log-probs of version ``version`` (older probes and their differences are dropped)."""
     control.set_meta(field(version), json.dumps([float(x) for x in logprobs]))
     control.forget_meta(field(version - KEEP_VERSIONS))
+    control.forget_meta(diff_field(version - KEEP_VERSIONS))
 
 
 def difference(control, version: int, logprobs: Sequence[float]) -> float | None:
     """The largest |generator - learner| log-prob over the probe's tokens, or None when the learner's
-    probe of ``version`` is not (or no longer) there."""
+    probe of ``version`` is not (or no longer) there; kept in the metadata for :func:`read_health`."""
     stored = control.get_meta(field(version))
     if stored is None:
         return None
     reference = json.loads(stored)
     if len(reference) != len(logprobs):
         raise ValueError(f"probe of version {version}: {len(logprobs)} log-probs, the learner's has {len(reference)}")
-    return max((abs(a - b) for a, b in zip(logprobs, reference, strict=True)), default=0.0)
+    diff = max((abs(a - b) for a, b in zip(logprobs, reference, strict=True)), default=0.0)
+    value = f"{diff:.6g}" if math.isfinite(diff) else "nan"
+    control.r.eval(_KEEP_MAX, 1, control.keys.meta, diff_field(version), value)
+    return diff
+
+
+def health(meta: Mapping[str, str]) -> dict:
+    """The sync-health figure from the run's metadata fields: ``probe_logprob_diff_max``, the largest
+    difference any generator found over the kept versions (None before any compared; NaN when one found
+    a non-finite difference), and ``versions``: each compared version's largest difference."""
+    diffs = {}
+    for name, value in meta.items():
+        version = name[len(DIFF_PREFIX) :]
+        if name.startswith(DIFF_PREFIX) and version.lstrip("-").isdigit():
+            diffs[int(version)] = float(value)
+    worst = None
+    if diffs:
+        worst = math.nan if any(math.isnan(d) for d in diffs.values()) else max(diffs.values())
+    return {"probe_logprob_diff_max": worst, "versions": {str(v): diffs[v] for v in sorted(diffs)}}
+
+
+def read_health(control) -> dict:
+    """:func:`health` of the run ``control`` names (one read of its metadata)."""
+    fields = control.r.hgetall(control.keys.meta)
+    prefix = DIFF_PREFIX.encode()
+    return health({k.decode(): v.decode(errors="replace") for k, v in fields.items() if k.startswith(prefix)})

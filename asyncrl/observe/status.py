@@ -43,6 +43,7 @@ from asyncrl.errors import UserError
 from asyncrl.fleet.redis_server import check_redis_url, start_redis_server
 from asyncrl.keys import CONFIG_FIELD, RunKeys
 from asyncrl.net import redact_url, url_address
+from asyncrl.observe import probe
 from asyncrl.rundir import pid_alive, read_run_info
 
 PING_TIMEOUT_S = 2.0  # a live server on loopback answers in milliseconds; a dead one must not stall us
@@ -194,6 +195,7 @@ def collect_status(source: Source, buffer: RedisBuffer, control: RunControl, now
         "consumers": consumers(client, control.keys.traj, idle_known=source.origin == "live"),
         "dead_letters": dead_letter_summary(buffer, stats["dead"]),
         "staleness": {str(k): v for k, v in sorted(control.staleness_histogram().items())},
+        "weight_sync": probe.read_health(control),  # the probe: learner vs every generator's engine
         "generators": processes(control, "generator", version, now, ended=state == "ended"),
         "learners": processes(control, "learner", version, now, ended=state == "ended"),
     }
@@ -282,28 +284,62 @@ def _pairs(d: dict, keys: tuple[str, ...]) -> str:
 
 
 def render(st: dict, console) -> None:
-    """Tables for a terminal (rich); the same data as ``--json``."""
+    """Tables for a terminal (rich): every counter of ``--json`` (a test holds it to that), but the
+    metadata's weight-sync probe arrays (``probe:<v>``, 64 log-probs each), which only ``--json`` prints."""
     from rich.table import Table
 
     state = {"running": "[green]running[/]", "ended": "[yellow]ended[/]"}.get(st["state"], st["state"])
     via = " (from a copy of its append-only file)" if st["source"] == "aof-copy" else ""
     console.print(f"[bold]{st['run_id'] or st['prefix']}[/] on {st['redis']}{via}: {state}, version {st['version']}")
-    if st["meta"]:
-        console.print("meta: " + "  ".join(f"{k}={v}" for k, v in sorted(st["meta"].items())))
+    _render_meta(st["meta"], console)
     b = st["buffer"]
     lost = f"lost [bold red]{b['lost']}[/]" if b["lost"] else "lost [bold]0[/]"
     table = Table(title="buffer", show_header=False, title_justify="left")
-    table.add_row("admission", _pairs(b, ("started", "replayed", "abandoned", "failed", "unfinished", "live")))
-    table.add_row("pushes", _pairs(b, ("pushed", "duplicates")))
-    table.add_row("outcomes", _pairs(b, ("trained", "dropped_stale", "filtered", "dead")))
-    table.add_row("in stream", _pairs(b, ("queued", "pending", "stream_length")) + "  " + lost)
+    for label, keys in _BUFFER_ROWS:
+        table.add_row(label, _pairs(b, keys) + ("  " + lost if label == "in stream" else ""))
+    shown = {k for _, keys in _BUFFER_ROWS for k in keys} | {"lost"}
+    rest = tuple(k for k in b if k not in shown)  # a counter added later is never hidden
+    if rest:
+        table.add_row("other", _pairs(b, rest))
     console.print(table)
     console.print(f"fleet: [bold]{len(st['fleet'])}[/] generators live ({', '.join(st['fleet']) or '-'})")
     stale = "  ".join(f"{k} behind: [bold]{v}[/]" for k, v in st["staleness"].items()) or "-"
     console.print(f"staleness of trained groups: {stale}")
+    _render_sync(st.get("weight_sync"), console)
     _render_consumers(st["consumers"], console, Table)
     _render_processes(st, console, Table)
-    _render_dead(st["dead_letters"], console, Table)
+    _render_dead(st["dead_letters"], b["foreign"], console, Table)
+
+
+_BUFFER_ROWS = (
+    ("admission", ("started", "replayed", "abandoned", "failed", "unfinished", "live")),
+    ("pushes", ("pushed", "duplicates")),
+    ("outcomes", ("trained", "dropped_stale", "filtered", "dead")),
+    ("in stream", ("queued", "pending", "stream_length")),  # + lost, in red when not 0
+    # entries push() never appended: dead-lettered unread, counted apart from the groups' outcomes
+    ("foreign", ("foreign", "foreign_in_buffer")),
+)
+
+
+def _render_meta(meta: dict, console) -> None:
+    """The run's metadata on one line, the probe's fields left out (its figure has a line of its own)."""
+    shown = "  ".join(f"{k}={v}" for k, v in sorted(meta.items()) if not probe.is_probe_field(k))
+    if any(probe.is_probe_field(k) for k in meta):
+        shown += f"{'  ' if shown else ''}(the weight-sync probe's log-probs: see --json)"
+    if shown:
+        console.print("meta: " + shown)
+
+
+def _render_sync(sync: dict | None, console) -> None:
+    if not sync:  # a snapshot of an older asyncrl
+        return
+    worst, versions = sync["probe_logprob_diff_max"], list(sync["versions"])
+    if worst is None:
+        console.print("weight sync (probe): no generator has compared a version yet")
+        return
+    span = versions[0] if len(versions) == 1 else f"{versions[0]}-{versions[-1]}"
+    figure = f"largest |generator - learner| log-prob [bold]{worst:.3g}[/]"
+    console.print(f"weight sync (probe): {figure} at versions {span}")
 
 
 def _render_consumers(rows: dict, console, Table) -> None:
@@ -326,11 +362,14 @@ def _render_processes(st: dict, console, Table) -> None:
     console.print(table)
 
 
-def _render_dead(dead: dict, console, Table) -> None:
-    if not dead["total"]:
-        console.print("dead letters: 0")
+def _render_dead(dead: dict, foreign: int, console, Table) -> None:
+    """``total`` counts dead-lettered groups; the stream also keeps the foreign entries dead-lettered
+    unread (counted as ``foreign``), so ``kept`` may exceed it; the reasons are those of the kept ones."""
+    title = f"dead letters: {dead['total']} groups + {foreign} foreign entries, kept {dead['kept']}"
+    console.print(title)  # its own line: a table's title wraps at the table's width
+    if not dead["top_reasons"]:
         return
-    table = Table("reason", "count", "producers", title=f"dead letters: {dead['total']}", title_justify="left")
+    table = Table("reason", "count", "producers")
     for row in dead["top_reasons"]:
         producers = ", ".join(f"{p} ({n})" for p, n in row["producers"].items())
         table.add_row(row["reason"], str(row["count"]), producers)
