@@ -21,7 +21,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from asyncrl.errors import UserError
 from asyncrl.net import redact_url, url_address
@@ -36,12 +36,49 @@ _LOG_NAME = "redis.log"
 _PORT_ATTEMPTS = 3
 
 
+URL_FORMS = "redis://[:PASSWORD@]HOST[:PORT][/DB], rediss://... (TLS) or unix:///PATH"
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why ``url`` is not a Redis URL (scheme, host, port, database number), or None; asks no server."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        return f"it has {f'the scheme {parts.scheme}://' if parts.scheme else 'no scheme'}"
+    if parts.scheme == "unix":
+        return None if parts.path else "it names no socket path"
+    try:
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError:
+        return f"its port {parts.netloc.rpartition(':')[2]!r} is not a number in 0..65535"
+    if not parts.hostname:
+        return "it names no host"
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        return f"its database {db!r} is not a number"
+    return None
+
+
+def shown_url(url: str) -> str:
+    """``url`` without its password, also when it is not a well-formed URL."""
+    try:
+        return redact_url(url)
+    except ValueError:  # a port that is not a number
+        parts = urlsplit(url)
+        if "@" not in parts.netloc:
+            return url
+        return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+
+
 def check_redis_url(url: str, timeout_s: float = 3.0) -> None:
-    """PING the server at ``url``; raise :class:`UserError` saying why it cannot be used."""
+    """PING the server at ``url``; raise :class:`UserError` saying why it cannot be used: first whether
+    it is a Redis URL at all, then whether the server answers."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    problem = redis_url_problem(url)
+    if problem:
+        raise UserError(f"{shown_url(url)!r} is not a Redis URL ({problem}); use {URL_FORMS}")
     address = url_address(url)
     password = urlsplit(url).password
     try:
