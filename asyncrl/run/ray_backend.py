@@ -132,6 +132,29 @@ def learner_bundle(cluster: dict[str, float]) -> dict[str, float]:
     return {"CPU": 1, **({"GPU": 1} if cluster.get("GPU", 0) >= 1 else {})}
 
 
+def run_needs(learners: int, generators: int, cluster: dict[str, float]) -> dict[str, float]:
+    """What the run's actors ask of the cluster in all: a bundle per learner rank, a generator's
+    options per generator (:func:`learner_bundle`, :func:`generator_options`)."""
+    need: dict[str, float] = {}
+    gen = generator_options(cluster)
+    per_generator = {"CPU": gen.get("num_cpus", 0), "GPU": gen.get("num_gpus", 0), **gen.get("resources", {})}
+    for count, each in ((learners, learner_bundle(cluster)), (generators, per_generator)):
+        for name, amount in each.items():
+            need[name] = need.get(name, 0) + count * amount
+    return {name: amount for name, amount in need.items() if amount}
+
+
+def shortfall(need: dict[str, float], free: dict[str, float], total: dict[str, float]) -> str | None:
+    """What the cluster lacks for ``need`` (one phrase per resource: needed, free, in all), or None.
+    Checked before anything is placed: Ray would otherwise queue what does not fit and wait in silence."""
+    short = [
+        f"{need[k]:g} {k} (free {free.get(k, 0):g} of {total.get(k, 0):g})"
+        for k in sorted(need)
+        if need[k] > free.get(k, 0) + 1e-9  # Ray reports fractional resources as floats
+    ]
+    return ", ".join(short) or None
+
+
 def rendezvous_env(node_ips: list[str], port: int) -> list[dict[str, str]]:
     """Each rank's torch.distributed environment, ranks on ``node_ips`` (rank 0 first): on one node the
     store and gloo stay on loopback, as for a local run; across nodes the store listens on rank 0's node
@@ -264,6 +287,7 @@ class RayLauncher(Launcher):
         super().__init__(cfg, console=console, resume=resume)
         self.address = address
         self.group = None  # the learners' placement group
+        self.terminated = False  # SIGTERM came: the run exits 143, not Ctrl-C's 130
 
     def connect(self) -> dict[str, float]:
         try:
@@ -272,15 +296,47 @@ class RayLauncher(Launcher):
             raise UserError("--backend ray needs Ray: pip install -e '.[ray]'") from None
         check_reachable(self.address)
         started = time.monotonic()
+        # ray.init puts its own SIGTERM handlers in place of the launcher's (Python's sys.exit, then the
+        # core worker's, which prints a stack dump): the launcher's own come back, so SIGTERM is a clean stop
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise UserError(f"cannot join the Ray cluster at {self.address}: {exc}") from None
+        finally:
+            for sig, handler in handlers.items():
+                if handler is not None:  # None: not set from Python; nothing of ours to put back
+                    signal.signal(sig, self._noting_sigterm(handler) if sig == signal.SIGTERM else handler)
         cluster = ray.cluster_resources()
         nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         shown = ", ".join(f"{k} {v:g}" for k, v in sorted(cluster.items()) if k in ("CPU", "GPU", GENERATOR))
         self.log(f"Ray cluster at {self.address}: {nodes} nodes ({shown}); joined in {time.monotonic() - started:.1f}s")
         return cluster
+
+    def _noting_sigterm(self, handler):
+        """``handler`` (the launcher's SIGTERM handler), noting first that SIGTERM came (exit 143)."""
+        if not callable(handler):  # SIG_DFL or SIG_IGN: not the launcher's stop; left as it was
+            return handler
+
+        def on_sigterm(signum, frame):
+            self.terminated = True
+            handler(signum, frame)
+
+        return on_sigterm
+
+    def check_room(self, cluster: dict[str, float]) -> None:
+        """One line naming what the cluster lacks for every learner rank and generator at once."""
+        import ray
+
+        cfg = self.cfg.run
+        need = run_needs(cfg.learners, cfg.generators, cluster)
+        short = shortfall(need, ray.available_resources(), cluster)
+        if short:
+            raise UserError(
+                f"the Ray cluster at {self.address} has too little room for {cfg.learners} learner ranks and "
+                f"{cfg.generators} generators: they need {short}; add nodes or CPUs (`ray start --num-cpus N`) "
+                "or ask for fewer --learners / --generators"
+            )
 
     def spawn(self, config_path: Path, url: str, prefix: str) -> None:
         import ray
@@ -291,6 +347,7 @@ class RayLauncher(Launcher):
         if self.cfg.run.remote_learners:
             raise UserError("--backend ray starts every learner rank as an actor: leave run.remote_learners at 0")
         cluster = self.connect()
+        self.check_room(cluster)
         started = time.monotonic()
         cfg, logs, cwd = self.cfg, (self.run_dir / "logs").resolve(), os.getcwd()
         run_env = {k: v for k, v in self.child_env(url, prefix).items() if os.environ.get(k) != v}
@@ -398,10 +455,11 @@ class RayLauncher(Launcher):
 
     def run(self) -> int:
         try:
-            return super().run()
+            code = super().run()
         finally:
             self.end_actors()
             if "ray" in sys.modules:
                 import ray
 
                 ray.shutdown()
+        return 143 if code == 130 and self.terminated else code  # 128 + SIGTERM, as a shell reports it
