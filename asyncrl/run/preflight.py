@@ -28,6 +28,7 @@ def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = T
     from asyncrl.episodes.api import load_episode
     from asyncrl.rewards.resolve import load_reward
 
+    check_named(cfg)
     load_jsonl(cfg.data.train)
     if cfg.data.eval:
         load_jsonl(cfg.data.eval)
@@ -49,6 +50,17 @@ def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = T
         check_redis_url(redis_url)
     else:
         find_redis_binary()
+
+
+def check_named(cfg: Config) -> None:
+    """The core has no task of its own: a run names its model, prompts and reward (the demos' configs do)."""
+    unset = [name for name, value in (("model.path", cfg.model.path), ("data.train", cfg.data.train),
+                                      ("data.reward", cfg.data.reward)) if value is None]  # fmt: skip
+    if unset:
+        raise UserError(
+            f"the config sets no {', '.join(unset)}: a run names its model (or model.recipe), its prompts and its "
+            "reward; configs/demo-cpu.yaml names the sort demo's"
+        )
 
 
 def check_lora(model: ModelConfig) -> None:
@@ -150,7 +162,10 @@ def check_prompt_lengths(cfg: Config) -> None:
 
 
 def check_model_path(model: ModelConfig) -> None:
-    """A model directory, a ``.gguf`` file, or the recipe's own cache path (built on first use); else one error."""
+    """A model directory, a ``.gguf`` file, or the recipe's own cache path (built on first use); else one
+    error naming the path, and the recipe's own path when the config names a recipe."""
+    if model.path is None:
+        raise UserError("the config sets no model.path (nor a model.recipe, which builds at its own cache path)")
     path = Path(model.path)
     if (path / "config.json").is_file() or model.builds_recipe or (is_gguf(path) and path.is_file()):
         return

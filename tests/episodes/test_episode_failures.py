@@ -47,6 +47,7 @@ def generator(tmp_path, tiny_model_dir, engine, redis_server):
             "generator.max_new_tokens": 4,
             "data.train": str(train),
             "data.eval": None,
+            "data.reward": "asyncrl.demo.sort:reward",
             "learner.groups_per_step": 2,
             "run.max_policy_lag": 8,
             "run.learners": 1,

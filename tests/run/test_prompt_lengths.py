@@ -88,6 +88,7 @@ def test_a_generator_skips_and_counts_a_prompt_that_does_not_fit(tmp_path, tiny_
             "generator.max_new_tokens": 4,
             "data.train": train,
             "data.eval": None,
+            "data.reward": "asyncrl.demo.sort:reward",
             "learner.groups_per_step": 2,
             "run.learners": 1,
             "run.generators": 1,
