@@ -45,6 +45,13 @@ def _launch_parser(sub) -> None:
     )
     p.add_argument("--address", help="the Ray cluster to join with --backend ray: auto (default) or HOST:PORT")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; start nothing")
+    p.add_argument(
+        "--show-prompts",
+        type=int,
+        metavar="N",
+        help="with --dry-run: also print the run's first N prompts as the model sees them (chat template "
+        "applied, decoded from the token ids the generators will send)",
+    )
     p.set_defaults(func=cmd_launch)
 
 
@@ -81,6 +88,11 @@ def resolve_config(args):
 def cmd_launch(args) -> int:
     from rich.console import Console
 
+    from asyncrl.lifetime import stop_on_signals
+
+    stop_on_signals()  # Ctrl-C even in a background job; SIGTERM the same stop (exit codes 130, 143)
+    if args.show_prompts is not None and not args.dry_run:
+        raise UserError("--show-prompts goes with --dry-run (it prints prompts instead of starting a run)")
     # The launcher compiles no kernels. transformers' import (the prompt check) reaches torch's dynamo, which
     # imports triton only to ask whether it is there, and triton prints a nanobind "leaked" dump at exit.
     sys.modules.setdefault("triton", None)
@@ -94,6 +106,10 @@ def cmd_launch(args) -> int:
 
         preflight_light(cfg)
         print(dump_config(cfg), end="")
+        if args.show_prompts:
+            from asyncrl.run.samples import show_prompts
+
+            print(show_prompts(cfg, args.show_prompts), end="")
         return 0
     from asyncrl.run.launch import Launcher
 
@@ -112,18 +128,10 @@ def cmd_launch(args) -> int:
     else:
         launcher = Launcher(cfg, console=console, resume=resume)
     code = launcher.run()
-    summary = launcher.stats.summary("")
-    console.print(
-        f"run {cfg.run.name}: version {summary['final_version']}, eval reward "
-        f"{_fmt(summary['initial_eval_reward'])} -> {_fmt(summary['final_eval_reward'])}, "
-        f"max staleness {summary['max_staleness_seen']}, {_fmt(summary['samples_per_s'], '.1f')} samples/s; "
-        f"see {cfg.run_dir}"
-    )
+    from asyncrl.run.stats import summary_line
+
+    console.print(summary_line(cfg.run.name, launcher.stats.summary(""), cfg.run_dir))
     return code
-
-
-def _fmt(x, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 def _status_parser(sub) -> None:
@@ -244,8 +252,10 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as exc:
         print(f"asyncrl: error: {exc}", file=sys.stderr)
         code = 2
-    except KeyboardInterrupt:
-        code = 130
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM where the command asked for it (asyncrl.lifetime)
+        from asyncrl.lifetime import stop_exit_code
+
+        code = stop_exit_code(stop)
     sys.exit(code)
 
 

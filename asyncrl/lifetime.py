@@ -9,6 +9,10 @@
   directory refuses while any of them still runs (:func:`live_processes`).
 - A :class:`Child` is one learner rank or generator as the launcher starts it (own session, log file,
   priority, CPUs); :func:`stop_processes` ends a set of them together, not one timeout after another.
+- Ctrl-C and SIGTERM stop a command whatever it inherited (:func:`stop_on_signals`): a shell starts a
+  background job (``cmd &``, nohup, many CI runners) with SIGINT ignored, Python then installs no
+  KeyboardInterrupt handler, and an ignored signal stays ignored across exec. A command stopped by one
+  exits 128 + its number: 130 after Ctrl-C, 143 after SIGTERM (:func:`stop_exit_code`).
 """
 
 from __future__ import annotations
@@ -90,6 +94,42 @@ def lower_priority(nice: int) -> None:
         pass
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt: the same orderly stop, another exit code."""
+
+
+def _terminated(signum, frame) -> NoReturn:
+    raise Terminated
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_on_signals(sigterm: bool = True) -> dict:
+    """From now on Ctrl-C raises KeyboardInterrupt in this process's main thread, and (``sigterm``) SIGTERM
+    raises :class:`Terminated`, whatever dispositions the process inherited (SIGINT ignored, in a
+    background job). Call it from the main thread, before starting children: they then inherit the
+    default dispositions, not an ignored SIGINT. Returns the handlers it replaced (:func:`set_handlers`)."""
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if sigterm:
+        signal.signal(signal.SIGTERM, _terminated)
+    return previous
+
+
+def set_handlers(handlers: dict) -> None:
+    """``{signal: handler}`` installed (``dict.fromkeys(STOP_SIGNALS, signal.SIG_IGN)``: a stop that must
+    not be cut short by a second Ctrl-C, leaving children orphaned)."""
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def stop_exit_code(stop: KeyboardInterrupt) -> int:
+    """The exit code of a command stopped by ``stop``: 143 (128 + SIGTERM) for :class:`Terminated`, else
+    130 (128 + SIGINT), as a shell reports a process that a signal ended."""
+    return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
+
+
 def exit_soon() -> None:
     """Called when a process has done its work and only returns and exits: the interpreter's last garbage
     collection then walks every object the imports made (0.6 s of a core with torch and transformers
@@ -128,6 +168,8 @@ class Child:
 
     def _preexec(self, nice: int) -> None:
         die_with(self.launcher_pid)()
+        # never an ignored Ctrl-C (a launcher started as a background job's): exec would keep it ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         lower_priority(nice)
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)

@@ -22,6 +22,11 @@ from asyncrl.errors import UserError
 from asyncrl.keys import CONFIG_FIELD, REDIS_FIELD
 
 
+class RunEnded(UserError):
+    """The run to join is stopping or has ended: there is nothing to join, which is no failure (the
+    joining commands say so in one line and exit 0, so a job that arrives late is not a failed job)."""
+
+
 def publish_run(control, config_text: str, redis_address: str) -> None:
     """The launcher: what a process joining the run needs, besides the secret."""
     control.set_meta(CONFIG_FIELD, config_text)
@@ -104,24 +109,31 @@ def locate(args) -> tuple[str, str | None]:
 
 
 def open_run(url: str, prefix: str | None):
-    """(control, prefix, config) of the run on the server at ``url``."""
+    """(control, prefix, config) of the run on the server at ``url``; :class:`RunEnded` when its stop
+    is set, :class:`UserError` (one line) for anything else that keeps it from being joined."""
+    import redis
+
     from asyncrl.config import load_config
     from asyncrl.control import RunControl, connect
     from asyncrl.fleet.redis_server import check_redis_url, redact_url
 
     check_redis_url(url)
-    if prefix is None:
-        from asyncrl.control import find_prefixes
+    try:
+        if prefix is None:
+            from asyncrl.control import find_prefixes
 
-        found = find_prefixes(connect(url))
-        if len(found) != 1:
-            where = redact_url(url)
-            raise UserError(f"{len(found)} runs at {where}: {', '.join(found) or '-'}; name one with --prefix")
-        prefix = found[0]
-    control = RunControl(connect(url), prefix)
-    text = control.get_meta(CONFIG_FIELD)
-    if text is None:
-        raise UserError(f"run {prefix} publishes no config: it was started by an older asyncrl, or is not running")
-    if control.stop_requested():
-        raise UserError(f"run {prefix} is stopping or has ended: nothing to join")
+            found = find_prefixes(connect(url))
+            if len(found) != 1:
+                where = redact_url(url)
+                raise UserError(f"{len(found)} runs at {where}: {', '.join(found) or '-'}; name one with --prefix")
+            prefix = found[0]
+        control = RunControl(connect(url), prefix)
+        text = control.get_meta(CONFIG_FIELD)
+        if text is None:
+            raise UserError(f"run {prefix} publishes no config: it was started by an older asyncrl, or is not running")
+        if control.stop_requested():
+            raise RunEnded(f"run {prefix} is stopping or has ended: nothing to join")
+    except redis.RedisError as exc:  # the server went away after it answered: a run ending as we join, often
+        message = str(exc).replace(url, redact_url(url))
+        raise UserError(f"lost the run's Redis at {redact_url(url)} while joining: {message}") from None
     return control, prefix, load_config(None, text=text)

@@ -1,7 +1,8 @@
 """``asyncrl sft | rm | dpo``: check the config, the model and every example before anything starts, make
 the run directory, start ``run.learners`` ranks of ``learners.offline`` on this host (as the RL
 launcher starts learner ranks: loopback rendezvous, jemalloc, one process group each), echo rank 0's
-progress, and end them all when one fails."""
+progress, and end them all when one fails. Ctrl-C (even in a background job, which inherits SIGINT
+ignored) and SIGTERM end the ranks too: exit code 130 after Ctrl-C, 143 after SIGTERM."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import yaml
 
 from asyncrl.config.offline import OfflineConfig
 from asyncrl.errors import UserError
-from asyncrl.lifetime import Child, jemalloc_env, stop_processes
+from asyncrl.lifetime import Child, jemalloc_env, stop_exit_code, stop_on_signals, stop_processes
 
 POLL_S = 0.2
 
@@ -51,6 +52,8 @@ def add_parsers(sub) -> None:
 
 def cmd_offline(mode: str, args) -> int:
     from asyncrl.config import load_config, parse_override
+
+    stop_on_signals()  # Ctrl-C raises KeyboardInterrupt whatever was inherited; SIGTERM the same stop
 
     overrides = dict(parse_override(o) for o in args.overrides)
     flags = {"run.learners": args.learners, "run.steps": args.steps, "run.name": args.name}
@@ -173,9 +176,10 @@ def launch(cfg: OfflineConfig, mode: str, log=print, resume: bool = False) -> in
         rank.start()
     try:
         return _supervise(ranks, mode, log)
-    except KeyboardInterrupt:
-        log(f"{mode}: interrupted; stopping the ranks")
-        return 130
+    except KeyboardInterrupt as stop:
+        code = stop_exit_code(stop)
+        log(f"{mode}: {'terminated' if code == 143 else 'interrupted'}; stopping the ranks")
+        return code
     finally:
         stop_processes(ranks, grace_s=0.0)
 

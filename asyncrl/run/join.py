@@ -9,13 +9,25 @@ import socket
 from pathlib import Path
 
 from asyncrl.errors import UserError
-from asyncrl.fleet.rendezvous import engine_env, locate, open_run
+from asyncrl.fleet.rendezvous import RunEnded, engine_env, locate, open_run
 from asyncrl.keys import MASTER_FIELD
 
 
+def _ctrl_c_is_sigterm(signum, frame) -> None:
+    """Ctrl-C leaves as SIGTERM does: once serving, the generator's clean leave (its slots given back at
+    once, exit 0); before that, SIGTERM's default end. Whatever the process inherited (a background job
+    has SIGINT ignored)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def cmd_generator(args) -> int:
+    signal.signal(signal.SIGINT, _ctrl_c_is_sigterm)
     url, prefix = locate(args)
-    control, prefix, cfg = open_run(url, prefix)
+    try:
+        control, prefix, cfg = open_run(url, prefix)
+    except RunEnded as exc:  # a join that came late (a queued SLURM job): nothing to do, no failure
+        print(f"asyncrl generator: {exc}", flush=True)
+        return 0
     ident = args.id or control.new_id("generator", socket.gethostname().split(".")[0])
     for key, value in engine_env(cfg.generator.engine, None).items():
         os.environ.setdefault(key, value)
@@ -30,10 +42,16 @@ def cmd_generator(args) -> int:
 
 def cmd_learner(args) -> int:
     """One learner rank on this host, of a run whose launcher left it to other hosts (run.local_learners)."""
+    from asyncrl.lifetime import stop_on_signals
     from asyncrl.net import interface_of, local_address_to
 
+    stop_on_signals(sigterm=False)  # Ctrl-C: KeyboardInterrupt (exit 130) whatever was inherited
     url, prefix = locate(args)
-    control, prefix, cfg = open_run(url, prefix)
+    try:
+        control, prefix, cfg = open_run(url, prefix)
+    except RunEnded as exc:
+        print(f"asyncrl learner: {exc}", flush=True)
+        return 0
     first = cfg.run.learners - cfg.run.remote_learners
     if not first <= args.rank < cfg.run.learners:
         ranks = f"{first}..{cfg.run.learners - 1}" if cfg.run.remote_learners else "none"
@@ -66,11 +84,11 @@ def cmd_redis(args) -> int:
     secret = read_secret(args.secret_file)
     if secret is None:
         raise UserError("the run's Redis needs its secret (the password derives from it): set $ASYNCRL_SECRET")
-    server = start_redis_server(Path(args.dir), password=redis_password(secret), host=args.host, port=args.port)
-    print(f"redis-server listening on {args.host or '127.0.0.1'}:{server.port} (pid {server.pid})", flush=True)
-    stop = []
+    stop = []  # Ctrl-C or SIGTERM (whatever was inherited) stops the server: exit 0, its AOF flushed
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(1))
+    server = start_redis_server(Path(args.dir), password=redis_password(secret), host=args.host, port=args.port)
+    print(f"redis-server listening on {args.host or '127.0.0.1'}:{server.port} (pid {server.pid})", flush=True)
     try:
         while not stop and server.is_running():
             time.sleep(0.2)

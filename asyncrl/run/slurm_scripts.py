@@ -36,10 +36,11 @@ node_addr() {  # NODE: the IPv4 address other nodes reach it at (NodeAddr, resol
 first_node() { scontrol show hostnames "$1" | head -n1; }
 reachable() { timeout 2 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$1" "$2" 2>/dev/null; }
 
-wait_reachable() {  # WHAT HOST PORT PID: until HOST:PORT answers, while PID (its step) lives
+wait_reachable() {  # WHAT HOST PORT PID: until HOST:PORT answers, while PID (its step) lives; 2 (and
+  # nothing said: the caller words it) when the run ended first
   until reachable "$2" "$3"; do
     if [[ -n $4 ]] && ! kill -0 "$4" 2>/dev/null; then fail "$1 ended before it listened on $2:$3"; return 1; fi
-    run_going || { fail "the run ended before $1 listened on $2:$3"; return 1; }
+    run_going || return 2
     if (( SECONDS > START_TIMEOUT_S )); then fail "$1 not listening on $2:$3 after ${START_TIMEOUT_S}s"; return 1; fi
     sleep 1
   done
@@ -145,16 +146,19 @@ log "reward server on $REWARD_NODE ($REWARD_ADDR:@@reward_port)"
 """
 
 JOIN = r"""
+# A join that comes after the run ended (its head job done, or the run stopped) has nothing to do: it
+# says so in one line and exits 0, and so does each generator, so no srun step fails.
 JOIN_JOB=@@join
 head_record() { scontrol -o show job "$JOIN_JOB" 2>/dev/null | head -n1; }  # its component 0
 field() { tr ' ' '\n' <<<"$2" | sed -n "s/^$1=//p" | head -n1; }
 run_going() { [[ $(field JobState "$(head_record)") == RUNNING ]]; }
+ended() { log "job $JOIN_JOB is $1: its run has ended; nothing to join"; exit 0; }
 while :; do  # the head job may still be pending
   REC=$(head_record)
   case $(field JobState "$REC") in
     RUNNING) break ;;
     PENDING | CONFIGURING) ;;
-    *) fail "job $JOIN_JOB is $(field JobState "$REC" | grep . || echo gone): no run to join"; exit 1 ;;
+    *) ended "$(field JobState "$REC" | grep . || echo gone)" ;;  # `asyncrl slurm --join` saw it exist
   esac
   if (( SECONDS > START_TIMEOUT_S )); then fail "job $JOIN_JOB did not start in ${START_TIMEOUT_S}s"; exit 1; fi
   sleep 2
@@ -163,7 +167,7 @@ HEAD_NODE=$(first_node "$(field NodeList "$REC")")
 HEAD_ADDR=${ASYNCRL_HEAD_ADDR:-$(node_addr "$HEAD_NODE")}
 if [[ -z ${ASYNCRL_SECRET:-} ]]; then  # into the environment (the generator's weight bus reads it there)
   until [[ -s $RUN_DIR/secret ]]; do  # the head writes it before its Redis listens
-    run_going || { fail "job $JOIN_JOB ended; no run to join"; exit 1; }
+    run_going || ended "over"
     (( SECONDS < START_TIMEOUT_S )) || { fail "no $RUN_DIR/secret and no \$ASYNCRL_SECRET"; exit 1; }
     sleep 1
   done
@@ -173,7 +177,8 @@ export ASYNCRL_SECRET
 TOKEN_FILE=$SLURM_DIR/reward.token  # the run's reward server's, if it has one
 [[ -n ${ASYNCRL_REWARD_TOKEN:-} || ! -s $TOKEN_FILE ]] || export ASYNCRL_REWARD_TOKEN=$(<"$TOKEN_FILE")
 log "job $SLURM_JOB_ID: generators joining run @@name of job $JOIN_JOB, head on $HEAD_NODE ($HEAD_ADDR:$PORT)"
-wait_reachable "the head's redis-server (job $JOIN_JOB)" "$HEAD_ADDR" "$PORT" "" || exit 1
+wait_reachable "the head's redis-server (job $JOIN_JOB)" "$HEAD_ADDR" "$PORT" ""
+case $? in 0) ;; 2) ended "over" ;; *) exit 1 ;; esac
 start_generators "$SLURM_JOB_NODELIST"
 while :; do  # until every generator has left, or the head job ended (then they have a while to leave)
   live=0
