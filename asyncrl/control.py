@@ -115,7 +115,7 @@ class RunControl:
         return bool(self.r.set(self.keys.claim(name), 1, nx=True))
 
     def forget_eval_claims(self, keep: set[int]) -> int:
-        """Drop the claims ``eval:<v>`` of versions not in ``keep`` (evaluations that never reported:
+        """Drop the claims ``eval:<point>`` of eval points not in ``keep`` (evaluations that never reported:
         their generator died mid-way); returns how many."""
         dropped = 0
         for key in self.r.scan_iter(match=self.keys.claim("eval:*")):

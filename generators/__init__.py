@@ -1,7 +1,9 @@
 """Generators: claim prompts, sample groups with an inference engine, score them, push to the buffer.
 
 Installed as ``asyncrl.generators``. Engines (vLLM, transformers) are imported lazily by
-:func:`asyncrl.generators.engine.setup`.
+:func:`asyncrl.generators.engine.setup`. ``worker`` is the process; ``scheduler`` pumps the engine for every
+episode in flight; ``evaluation`` decides which version evaluates each eval point (the first served at or
+after it); ``accounting`` ends every episode exactly once; ``weight_feed`` applies new versions.
 
 May import: the core, asyncrl.buffers, asyncrl.weights, asyncrl.observe, asyncrl.episodes,
 asyncrl.rewards.

@@ -7,8 +7,9 @@ samples their turns continuously. The loop, every ``TICK_S`` or when a group end
   0. lease   - renew this generator's lease in the run's fleet (``RunControl.renew``) and read the
                fleet's size; a lost lease (stalled past ``MEMBER_TTL_S``: the launcher reaped it and
                gave its slots back) ends the process before it claims or pushes anything more
-  1. eval    - if the served version is due for a greedy held-out evaluation and no other generator
-               claimed it, start it (it holds the weights until done: one version throughout)
+  1. eval    - if the served version reached an eval point (at it, or past it: ``evaluation``) that no
+               other generator claimed, start a greedy held-out evaluation of it (it holds the weights
+               until done: one version throughout)
   2. admit   - claim groups under admission control, keyed on the version the engine serves, while
                there is room for their episodes, the share sized by the live fleet; each claimed
                group runs as its own task: n episodes concurrently -> one trajectory group -> push,
@@ -57,6 +58,15 @@ from asyncrl.episodes.api import Context, Outcome, load_episode, run_episode
 from asyncrl.generators.accounting import EpisodeStats, FailureWindow
 from asyncrl.generators.engine import Engine, Sampling, fits, turn_sampling
 from asyncrl.generators.engine import setup as setup_engine
+from asyncrl.generators.evaluation import (
+    SAMPLE_EVERY,
+    SAMPLE_ITEMS,
+    eval_points,
+    eval_record,
+    points_reached,
+    sample_items,
+    samples_record,
+)
 from asyncrl.generators.scheduler import EnginePump
 from asyncrl.generators.weight_feed import WeightFeed
 from asyncrl.lifetime import NICE_WHEN_UP_ENV, lower_priority
@@ -71,19 +81,12 @@ from asyncrl.weights import WeightSubscriber, setup_subscriber
 log = logging.getLogger("asyncrl.generator")
 
 TICK_S = 0.2  # the loop's pace when nothing happens: heartbeats, admission after new weights
-POLICY_FAILURES = {"budget"}  # failures that are the policy's doing: an evaluation scores them 0
 REPORT_S = 2.0  # metrics interval: often enough for the progress line, rare enough for hundreds of episodes
 HUNG_AFTER_S = 0.5  # at the end, how long an episode thread may take to finish before it counts as hung
 
 
 class LeaseLost(RuntimeError):
     """This generator's lease expired (it stalled) and the run gave its admission slots away."""
-
-
-def eval_versions(steps: int, every: int) -> set[int]:
-    """Versions that get a greedy held-out evaluation: the first, every ``eval_every``, the last."""
-    due = set(range(0, steps, every)) if every else {0}
-    return due | {steps}
 
 
 def episode_seed(run_seed: int, seq: int, sample: int) -> int:
@@ -135,7 +138,8 @@ class Generator:
             log.warning(
                 "%d eval prompts do not fit the model's context: left out", len(eval_records) - len(self.eval_set)
             )
-        self.due_evals = eval_versions(cfg.run.steps, cfg.run.eval_every) if cfg.generator.eval else set()
+        self.due_evals = eval_points(cfg.run.steps, cfg.run.eval_every) if cfg.generator.eval else set()
+        self.due_samples = set(range(0, cfg.run.steps + 1, SAMPLE_EVERY))  # training samples (samples.jsonl)
         g = cfg.generator
         stops = tuple(self.chat.stop_token_ids)
         self.sampling, self.greedy = turn_sampling(g, stops), turn_sampling(g, stops, greedy=True)
@@ -180,6 +184,7 @@ class Generator:
         return ctx, await run_episode(self.episode, ctx, ep.episode_timeout_s)
 
     async def run_group(self, seq: int) -> None:
+        version = self.version
         epoch, idx = prompt_for_sequence(seq, len(self.records), self.cfg.run.seed)
         record = self.records[idx]
         prompt = self.chat.prompt_ids(prompt_of(record))
@@ -197,6 +202,7 @@ class Generator:
             self.failures.add(outcome)
             if outcome.cause is not None:
                 self._log_failure(idx, outcome)
+        self.maybe_sample(version, prompt, played)
         failed = sum(o.cause is not None for _, o in played)
         if failed and (self.cfg.episode.failure_policy == "drop_group" or failed == n):
             self.stats.groups_failed += 1
@@ -228,16 +234,36 @@ class Generator:
             self.buffer.release(1, reason=release, producer=self.ident)
         self.changed.set()
 
+    def maybe_sample(self, version: int, prompt: list[int], played: list) -> None:
+        """A finished group of ``version``: its first episodes to samples.jsonl when it is the first group
+        at or after a sample point (``evaluation.SAMPLE_EVERY``), once across the fleet."""
+        reached = points_reached(self.due_samples, version)
+        if not reached:
+            return
+        self.due_samples.difference_update(reached)
+        if [p for p in reached if self.control.claim_once(f"samples:{p}")]:  # every one claimed, not the first
+            items = sample_items(self.chat.tok, [prompt] * len(played), played, SAMPLE_ITEMS)
+            self.metrics.log(samples_record("train", version, reached[-1], items))
+
     # -- phases ------------------------------------------------------------------------------------------
     def maybe_evaluate(self) -> None:
-        if self.evaluating is not None or self.version not in self.due_evals or not self.eval_set:
+        """Evaluate the served version if it reached eval points (``evaluation``) no other generator claimed:
+        the first version served at or after each, however many versions passed meanwhile."""
+        if self.evaluating is not None or not self.eval_set:
             return
-        self.due_evals.discard(self.version)
-        if self.control.claim_once(f"eval:{self.version}"):
-            self.evaluating = asyncio.create_task(self.evaluate())
-            self.evaluating.add_done_callback(self._task_done)
+        reached = points_reached(self.due_evals, self.version)
+        if not reached:
+            return
+        self.due_evals.difference_update(reached)
+        claimed = [p for p in reached if self.control.claim_once(f"eval:{p}")]  # each, not just the first
+        if not claimed:
+            return
+        if passed := ", ".join(str(p) for p in claimed if p < self.version):
+            log.info("eval point %s passed before version %d was served here: evaluating that", passed, self.version)
+        self.evaluating = asyncio.create_task(self.evaluate(claimed))
+        self.evaluating.add_done_callback(self._task_done)
 
-    async def evaluate(self) -> None:
+    async def evaluate(self, points: list[int]) -> None:
         try:
             async with self.pump.hold():
                 version, t0 = self.version, time.perf_counter()
@@ -247,22 +273,16 @@ class Generator:
                         for i, (r, ids) in enumerate(self.eval_set)
                     )
                 )
-            # the policy's own failure (overrunning its budget) scores 0; others say nothing of the policy
-            scores = [_eval_score(o) for _, o in played]
-            valid = [r for r in scores if r is not None]
-            record = {
-                "eval/version": version,
-                "eval/failed": sum(o.cause is not None for _, o in played),
-                "eval/turns_mean": float(np.mean([ctx.turns for ctx, _ in played])),
-                "eval/seconds": time.perf_counter() - t0,
-            }
-            if valid:
-                record["eval/reward_mean"] = float(np.mean(valid))
-                record["eval/exact_rate"] = float(np.mean([r >= 1.0 for r in valid]))
-                log.info("eval at version %d: reward %.3f", version, record["eval/reward_mean"])
+            record, point = eval_record(version, points, played, time.perf_counter() - t0), points[-1]
+            if "eval/reward_mean" in record:
+                log.info("eval at version %d (point %d): reward %.3f", version, point, record["eval/reward_mean"])
             else:
                 log.warning("eval at version %d: every episode failed", version)
             self.metrics.log(record)
+            prompts = [ids for _, ids in self.eval_set]
+            self.metrics.log(
+                samples_record("eval", version, point, sample_items(self.chat.tok, prompts, played, SAMPLE_ITEMS))
+            )
         finally:
             self.evaluating = None
 
@@ -375,12 +395,6 @@ class Generator:
         close = getattr(self.reward_fn, "close", None)  # a remote reward's connections
         if close is not None and is_async(close):
             await close()
-
-
-def _eval_score(outcome: Outcome) -> float | None:
-    if outcome.cause is None:
-        return outcome.reward
-    return 0.0 if outcome.cause in POLICY_FAILURES else None
 
 
 def _sample(ctx: Context, outcome: Outcome) -> Sample:

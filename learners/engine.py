@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import math
 import os
 import shutil
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from asyncrl.config import LearnerConfig, ModelConfig
 from asyncrl.learners.batching import add_head_grad_in_place
-from asyncrl.learners.checkpoint import read_committed, write_committed
+from asyncrl.learners.checkpoint import read_committed, room_shortfall, write_committed
 from asyncrl.learners.lora import adapter_state, base_model, merged_state, with_lora
 from asyncrl.learners.models import accumulate_tied_lookup_in_place, enable_activation_checkpointing
 from asyncrl.rundir import write_atomic
@@ -169,9 +170,13 @@ CRITIC_TAG = "critic"  # a critic engine's files: <run>/checkpoint/version-<v>/c
 
 def save_checkpoint(engine, ckpt_dir: Path, version: int, rank_state: dict, critic=None) -> None:
     """Save every rank's part of version ``version`` (policy, and critic if any) and commit it; older
-    checkpoints are removed."""
+    checkpoints are removed. A save the disk cannot hold fails here, uncommitted: the committed one stays,
+    and the launcher removes the partial one (``learners.checkpoint``); rank 0 warns first."""
     rank = dist.get_rank()
     tag = f"version-{version}"
+    shortfall = room_shortfall(ckpt_dir) if rank == 0 else None
+    if shortfall is not None:
+        logging.getLogger("asyncrl.learner").warning("checkpoint of version %d: %s", version, shortfall)
     engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
     if critic is not None:
         critic.save_checkpoint(str(ckpt_dir / tag), tag=CRITIC_TAG, save_latest=False)

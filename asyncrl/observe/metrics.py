@@ -6,18 +6,60 @@ Child processes emit namespaced records (``learner/loss``, ``generator/tokens_pe
 It logs the same records to TensorBoard event files in ``runs/<name>/tensorboard/``
 (:class:`TensorBoardSink`) and, with ``run.wandb: offline``, to a Weights & Biases offline run
 (:class:`WandbSink`): every numeric field a scalar under its own name, at the record's policy version.
+
+A full disk is one error, :class:`DiskFull`, naming the file and the space left; ``metrics.jsonl`` keeps
+whole lines only (a line the disk cannot hold is cut back, never left torn).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
 from asyncrl.errors import UserError
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota spent: the same to a run
+
+
+class DiskFull(UserError):
+    """No space left where the run writes: one line naming the path and the space still free there."""
+
+    def __init__(self, path: str | Path, hint: str = ""):
+        self.path = Path(path)
+        where = f"in {path}" if self.path.is_dir() else f"writing {path}"
+        super().__init__(f"no space left on device {where} ({human_bytes(free_bytes(path))} free there){hint}")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+
+
+def free_bytes(path: str | Path) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem holding ``path`` (or its nearest
+    existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def human_bytes(n: float) -> str:
+    """``812 B``, ``3.1 MB``, ``1.2 GB``: decimal units, as the ``*_gb`` metrics count."""
+    if n < 1000:
+        return f"{int(n)} B"
+    for unit in ("KB", "MB", "GB"):
+        n /= 1000
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1000:.1f} TB"
+
 
 # the field that names a record's policy version, by kind of record (the first one present wins)
 VERSION_FIELDS = ("learner/version", "eval/version", "generator/version", "weights/version", "checkpoint/version")
@@ -51,12 +93,32 @@ class _Stepper:
 
 
 class JsonlSink:
+    """One JSON line per record, appended unbuffered: each line is on disk whole when ``log`` returns, or
+    (:class:`DiskFull`) not at all."""
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._f = self.path.open("a", buffering=1)
+        self._f = self.path.open("ab", buffering=0)
 
     def log(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
+        start = self.size()
+        data = memoryview((json.dumps(record) + "\n").encode())
+        try:
+            while data:
+                data = data[self._f.write(data) :]
+        except OSError as exc:
+            self.truncate(start)
+            if is_disk_full(exc):
+                raise DiskFull(self.path) from None
+            raise
+
+    def size(self) -> int:
+        return self._f.seek(0, os.SEEK_END)
+
+    def truncate(self, size: int) -> None:
+        """Cut the file back to ``size`` bytes (a mark of :meth:`size`): lines written since are gone."""
+        with contextlib.suppress(OSError):  # shrinking a file needs no space
+            self._f.truncate(size)
 
     def close(self) -> None:
         self._f.close()
@@ -68,6 +130,7 @@ class TensorBoardSink:
     def __init__(self, logdir: str | Path, version: int = 0):
         from asyncrl.observe.tensorboard import EventWriter
 
+        self.path = Path(logdir)
         self.writer = EventWriter(logdir)
         self.stepper = _Stepper(version)
 
@@ -128,7 +191,8 @@ def open_wandb(mode: str, run_dir: Path, name: str, config: dict, version: int =
 
 class Sinks:
     """Each record to ``primary`` (``metrics.jsonl``: its errors are the caller's) and to every extra
-    sink; an extra sink that fails is logged once and dropped, so a viewer's file never stops a run."""
+    sink; an extra sink that fails is logged once and dropped, so a viewer's file never stops a run. A
+    full disk does stop it (:class:`DiskFull`): ``metrics.jsonl`` is on the same one."""
 
     def __init__(self, primary, *extras):
         self.primary = primary
@@ -139,17 +203,25 @@ class Sinks:
         for sink in list(self.extras):
             try:
                 sink.log(record)
-            except Exception:
-                logging.getLogger(__name__).exception("metrics sink %s failed: dropped", type(sink).__name__)
+            except Exception as exc:
                 self.extras.remove(sink)
+                with contextlib.suppress(Exception):  # its file closed now, not with a warning at exit
+                    sink.close()
+                if is_disk_full(exc):
+                    raise DiskFull(getattr(sink, "path", type(sink).__name__)) from None
+                logging.getLogger(__name__).error("metrics sink %s failed: dropped", type(sink).__name__, exc_info=exc)
 
     def close(self) -> None:
         self.primary.close()
         for sink in self.extras:
             try:
                 sink.close()
-            except Exception:  # the run is over and metrics.jsonl is whole: say so, do not fail the exit
-                logging.getLogger(__name__).exception("metrics sink %s failed to close", type(sink).__name__)
+            except Exception as exc:  # the run is over and metrics.jsonl is whole: say so, do not fail the exit
+                logger = logging.getLogger(__name__)
+                if is_disk_full(exc):  # the run said so already: no traceback
+                    logger.warning("metrics sink %s: %s", type(sink).__name__, exc)
+                else:
+                    logger.error("metrics sink %s failed to close", type(sink).__name__, exc_info=exc)
 
 
 def open_sinks(run, run_dir: Path, version: int = 0) -> Sinks:

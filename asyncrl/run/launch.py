@@ -10,7 +10,11 @@ Supervision rules:
 - the run's own redis-server, if it dies, is restarted on the same port from its append-only
   file (up to ``run.max_redis_restarts`` times); clients reconnect by themselves;
 - Ctrl-C (or SIGTERM) stops every child it started, by process group, flushes metrics and writes
-  the summary; the exit code is 0 only when the run completed (with its final evaluation, if it has one).
+  the summary, whatever signal dispositions the launcher inherited (a background job's ignored SIGINT);
+- a full disk under the run directory stops the run with one error naming the path and the free space
+  (``asyncrl.run.disk``); partial checkpoints are removed, and the summary is still written.
+The exit code is 0 only when the run completed (with its final evaluation, if it has one); 130 after
+Ctrl-C, 143 after SIGTERM; 2 after an error (a full disk included; ``asyncrl.cli``); 1 after a timeout.
 Children run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then
 stops them in order: generators and learners first, redis-server last.
 """
@@ -28,19 +32,23 @@ from pathlib import Path
 
 import redis
 
-from asyncrl.buffers.base import BufferUnavailableError, lost_groups, unfinished_groups
+from asyncrl import lifetime
+from asyncrl.buffers.base import BufferUnavailableError
 from asyncrl.config import Config, dump_config
 from asyncrl.control import RunControl, connect
 from asyncrl.errors import UserError
 from asyncrl.fleet.redis_server import free_loopback_port
 from asyncrl.fleet.rendezvous import engine_env, publish_run, wait_for_leaves, watch_fleet
 from asyncrl.keys import MASTER_FIELD
-from asyncrl.learners.checkpoint import read_committed
+from asyncrl.learners.checkpoint import read_committed, remove_uncommitted
 from asyncrl.lifetime import Child, die_with, exit_soon, jemalloc_env, live_processes, signal_processes, stop_processes
 from asyncrl.net import interface_of, is_loopback, url_address
+from asyncrl.observe.metrics import DiskFull
+from asyncrl.run.disk import Reserve, check_full_disk, run_error
 from asyncrl.run.preflight import check_prompt_lengths, external_redis_url, in_background, preflight
 from asyncrl.run.resume import ResumePoint, reset_for_resume
-from asyncrl.run.stats import Progress, RunStats
+from asyncrl.run.samples import SAMPLES_FILE
+from asyncrl.run.stats import Progress, RunStats, final_buffer_stats
 from asyncrl.rundir import write_atomic
 from asyncrl.secret import ENV as SECRET_ENV
 from asyncrl.secret import new_secret, read_secret, redis_password, write_secret
@@ -77,6 +85,7 @@ class Launcher:
         self.fleet: set[str] = set()  # the live generators, as of the last look
         self.deferred: list[Child] = []  # generators not started yet (see spawn)
         self.deferred_until = 0.0  # when they start anyway
+        self.reserve = Reserve(self.run_dir)  # room for the end of a run on a full disk
 
     # -- set-up ------------------------------------------------------------------------------------
     def prepare_run_dir(self) -> Path:
@@ -95,12 +104,14 @@ class Launcher:
         self.run_dir.chmod(0o700)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         if self.resume is None:
-            for stale in ("metrics.jsonl", "summary.json"):
+            for stale in ("metrics.jsonl", "summary.json", SAMPLES_FILE, SAMPLES_FILE + ".1"):
                 (self.run_dir / stale).unlink(missing_ok=True)
             for stale in ("checkpoint", "export", "redis"):  # a restarted learner must never resume an old run
                 shutil.rmtree(self.run_dir / stale, ignore_errors=True)
             for stale in ("tensorboard", "wandb"):  # the metrics of the run this one starts over
                 shutil.rmtree(self.run_dir / stale, ignore_errors=True)
+        self.remove_uncommitted()  # a resumed run's: its learners start from the committed one
+        self.reserve.take()
         return write_secret(self.run_dir / "config.yaml", dump_config(self.cfg), newline=False)
 
     def take_secret(self) -> str:
@@ -177,31 +188,15 @@ class Launcher:
                 LOCAL_WORLD_SIZE=str(local),
             )
             log_path = logs / f"learner-{rank}.log"
-            cmd = [
-                sys.executable,
-                "-m",
-                "asyncrl.learners.worker",
-                "--config",
-                str(config_path),
-                "--log-file",
-                str(log_path),
-            ]
+            cmd = [sys.executable, "-m", "asyncrl.learners.worker", "--config", str(config_path), "--log-file"]
+            cmd.append(str(log_path))
             pin = {rank % ncpu} if self.pin_cpus else None
             self.children.append(Child("learner", rank, cmd, env, log_path, cpus=pin))
         for i in range(cfg.run.generators):
             env = dict(base, **engine_env(cfg.generator.engine, core=i % ncpu))
             log_path = logs / f"generator-{i}.log"
-            cmd = [
-                sys.executable,
-                "-m",
-                "asyncrl.generators.worker",
-                "--config",
-                str(config_path),
-                "--id",
-                str(i),
-                "--log-file",
-                str(log_path),
-            ]
+            cmd = [sys.executable, "-m", "asyncrl.generators.worker", "--config", str(config_path), "--id", str(i)]
+            cmd += ["--log-file", str(log_path)]
             child = Child("generator", i, cmd, env, log_path, nice=self.generator_nice, nice_when_up=i == 0)
             self.children.append(child)
         if self.pin_cpus and ncpu < local + cfg.run.generators:
@@ -237,12 +232,14 @@ class Launcher:
             # one rank's death fails the others' collectives (exit 1) within the same poll: name the
             # rank a signal killed, the cause, before those that exited because of it
             dead.sort(key=lambda c: c.proc.returncode >= 0)
+            check_full_disk(self.run_dir, f"{dead[0].name} exited with code {dead[0].proc.returncode}")
             self.restart_learners(control, dead[0])
             return None
         if all(c.proc.poll() == 0 for c in learners):
             return "learners_done"
         for c in self.children:
             if c.role == "generator" and c.proc is not None and c.proc.poll() is not None:
+                check_full_disk(self.run_dir, f"{c.name} exited with code {c.proc.returncode}")
                 self.restarts += 1
                 if self.restarts > self.cfg.run.max_generator_restarts:
                     raise UserError(
@@ -290,6 +287,7 @@ class Launcher:
             f"and every generator ({self.learner_restarts}/{self.cfg.learner.max_restarts})"
         )
         self.end_for_restart()
+        self.remove_uncommitted()
         self.remove_stale_weights()
         for c in self.children:
             if c.role == "generator":
@@ -324,6 +322,7 @@ class Launcher:
     def check_redis(self) -> None:
         if self.redis is None or self.redis.is_running():
             return
+        check_full_disk(self.run_dir, "redis-server died")
         self.redis_restarts += 1
         if self.redis_restarts > self.cfg.run.max_redis_restarts:
             raise UserError(f"redis-server died {self.redis_restarts} times; its log:\n{self.redis.log_tail()}")
@@ -360,15 +359,10 @@ class Launcher:
             for path in remove_stale_shm(root):
                 self.log(f"removed shared-memory weights of a dead learner: {path}")
 
-    def final_buffer_stats(self) -> dict | None:
-        if self.buffer is None:
-            return None
-        try:
-            counts = self.buffer.stats()
-        except Exception as exc:  # the summary must be written even when the buffer is gone
-            self.log(f"buffer statistics unavailable at the end: {exc}")
-            return None
-        return {**counts, "lost": lost_groups(counts), "unfinished": unfinished_groups(counts)}
+    def remove_uncommitted(self) -> None:
+        """Checkpoints whose save never finished; only while no learner rank runs."""
+        for name in remove_uncommitted(self.run_dir / "checkpoint"):
+            self.log(f"removed checkpoint/{name}: its save never finished (the run goes on from the committed one)")
 
     def log(self, message: str) -> None:
         if self.console is not None:
@@ -378,11 +372,14 @@ class Launcher:
     def run(self) -> int:
         # the config the run uses (config.yaml, `meta config`): a GGUF model.path becomes its converted directory
         self.cfg = cfg = preflight(self.cfg, self.redis_url, log=self.log)
-        config_path = self.prepare_run_dir()
+        try:  # a disk too full to start on is one line too
+            config_path = self.prepare_run_dir()
+        except OSError as exc:
+            raise run_error(exc, self.run_dir) from None
         self.stats = RunStats(cfg.run, self.run_dir, resumed=self.resume is not None)
         control = None
         reason, code = "interrupted", 130
-        previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        previous = lifetime.stop_on_signals()  # Ctrl-C: KeyboardInterrupt whatever was inherited; SIGTERM too
         try:
             self.secret = self.take_secret()
             url = self.start_redis()
@@ -400,7 +397,7 @@ class Launcher:
             control = RunControl(connect(url, **retries), prefix)
             self.buffer = setup_buffer(cfg.buffer, url, prefix, **retries)
             if self.resume is not None:
-                undone = reset_for_resume(control, self.buffer, set(self.stats.evals))
+                undone = reset_for_resume(control, self.buffer, self.stats.eval_points)
                 self.stats.skip_logged(control)
                 self.log(f"resuming {run_id} from version {self.resume.committed_version}; undone: {undone}")
             self.run_info = {
@@ -428,33 +425,45 @@ class Launcher:
             reason, code = self.supervise(control)
             for chore in self.chores:
                 chore()  # a run shorter than the prompt check: its verdict still counts
-        except KeyboardInterrupt:
-            self.log("interrupted: stopping every process of the run")
-        except UserError as exc:
-            reason, code = "failed", 1
-            self.stats.error = str(exc)
-            raise
+        except KeyboardInterrupt as stop:
+            reason, code = ("terminated", 143) if isinstance(stop, lifetime.Terminated) else ("interrupted", 130)
+            self.log(f"{reason}: stopping every process of the run")
+        except (UserError, OSError) as exc:
+            error = run_error(exc, self.run_dir)
+            reason, code = ("disk_full" if isinstance(error, DiskFull) else "failed"), 2
+            self.stats.error = str(error)
+            if error is exc:
+                raise
+            raise error from None
         finally:
-            signal.signal(signal.SIGTERM, previous)
-            previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
-            self.stop_children(control, reason)
-            if control is not None:
-                self.stats.drain(control)
-            self.stats.buffer = self.final_buffer_stats()
-            self.stats.restarts = {
-                "generators": self.restarts,
-                "learners": self.learner_restarts,
-                "redis": self.redis_restarts,
-            }
-            self.stats.write_summary(self.run_dir, reason)
-            self.remove_stale_weights()
-            if self.buffer is not None:
-                self.buffer.close()
-            if self.redis is not None:
-                self.redis.stop()
-            signal.signal(signal.SIGINT, previous_int)
+            lifetime.set_handlers(dict.fromkeys(previous, signal.SIG_IGN))  # a second Ctrl-C must not orphan children
+            self.end_run(control, reason)
+            lifetime.set_handlers(previous)
             exit_soon()
         return code
+
+    def end_run(self, control: RunControl | None, reason: str) -> None:
+        """Stop every child; then, with no child left to write, remove partial checkpoints and give back the
+        reserve (a full disk's room for what follows), log the last records and write the summary (or, if
+        even that fails, print it); redis-server last."""
+        self.stop_children(control, reason)
+        self.remove_uncommitted()
+        self.reserve.release()
+        if control is not None:
+            try:  # after a full disk: counted for the summary, not logged
+                self.stats.drain(control)
+            except DiskFull as exc:  # the last records filled it
+                self.log(str(exc))
+        self.stats.buffer = final_buffer_stats(self.buffer, self.log)
+        self.stats.restarts = dict(generators=self.restarts, learners=self.learner_restarts, redis=self.redis_restarts)
+        self.stats.write_summary(self.run_dir, reason, say=self.log)
+        for tmp in self.run_dir.glob("*.tmp"):  # a file the disk cut short (run.json's)
+            tmp.unlink(missing_ok=True)
+        self.remove_stale_weights()
+        if self.buffer is not None:
+            self.buffer.close()
+        if self.redis is not None:
+            self.redis.stop()
 
     def supervise(self, control: RunControl) -> tuple[str, int]:
         cfg = self.cfg
@@ -467,7 +476,7 @@ class Launcher:
                 for chore in self.chores:
                     chore(0)  # a dataset that does not fit the model stops the run with its error
                 try:
-                    self.stats.drain(control, on_eval=self.log, buffer=self.buffer)  # + the buffer's depth
+                    self.stats.drain(control, say=self.log, buffer=self.buffer)  # + the buffer's depth
                     self.watch_fleet(control)
                     self.start_deferred(control)
                     progress.update(self.stats)
@@ -488,7 +497,3 @@ class Launcher:
                 if time.monotonic() > deadline:
                     return "timeout", 1
                 time.sleep(0.25)
-
-
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt

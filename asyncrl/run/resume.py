@@ -91,7 +91,7 @@ def check_resumable(point: ResumePoint, steps: int) -> None:
         )
 
 
-def reset_for_resume(control, buffer, eval_versions_done: set[int]) -> dict[str, int]:
+def reset_for_resume(control, buffer, eval_points_done: set[int]) -> dict[str, int]:
     """Undo what the previous launch left mid-flight (module doc); returns what was released."""
     control.clear_stop()
     control.forget_meta("weights_address")
@@ -99,5 +99,5 @@ def reset_for_resume(control, buffer, eval_versions_done: set[int]) -> dict[str,
     control.forget_meta("fatal")  # a run stopped by its failure limit gets another chance
     control.forget_heartbeats()
     unpushed = buffer.release_held()  # every producer's: none of them survived
-    evals = control.forget_eval_claims(keep=eval_versions_done)
+    evals = control.forget_eval_claims(keep=eval_points_done)
     return {"released_slots": unpushed, "eval_claims_dropped": evals}

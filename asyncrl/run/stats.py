@@ -1,5 +1,5 @@
-"""Run statistics: what the launcher knows about a run. Metric records in, ``metrics.jsonl`` and
-``summary.json`` out, and the one live progress line."""
+"""Run statistics: what the launcher knows about a run. Metric records in, ``metrics.jsonl``,
+``samples.jsonl`` and ``summary.json`` out, and the one live progress line."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ import math
 import time
 from pathlib import Path
 
+from asyncrl.buffers.base import lost_groups, unfinished_groups
 from asyncrl.config import RunConfig
-from asyncrl.observe.metrics import open_sinks, read_metrics
+from asyncrl.observe.metrics import DiskFull, open_sinks, read_metrics
+from asyncrl.run.disk import CheckpointRoom
+from asyncrl.run.samples import ITEMS_FIELD, SamplesLog, sample_lines
 from asyncrl.rundir import write_atomic
 
 
@@ -77,7 +80,8 @@ class RunStats:
         self.first_step_at: tuple[float, int] | None = None  # (learner wall, samples) after step 1
         self.last_step_at: tuple[float, int] | None = None
         self.wall_offset = 0.0
-        self.evals: dict[int, float] = {}
+        self.evals: dict[int, float] = {}  # eval reward by the version evaluated
+        self.eval_points: set[int] = set()  # the eval points those stand for (generators.evaluation)
         self.episodes = 0  # episodes generators finished (each report counts its own)
         self.failures: collections.Counter[str] = collections.Counter()  # failed episodes by cause
         self.error: str | None = None
@@ -97,6 +101,9 @@ class RunStats:
                 self.weight_sync.fold(record)
         self.recent_steps.clear()  # the ETA is this launch's pace
         self.sink = open_sinks(run, run_dir, self.version)  # metrics.jsonl, tensorboard/, W&B
+        self.samples_log = SamplesLog(run_dir)
+        self.room = CheckpointRoom(run_dir / "checkpoint")
+        self.disk_full: DiskFull | None = None  # from then on records are counted, not logged
 
     def skip_logged(self, control) -> None:
         """A resumed launch reads the metrics stream after what its predecessor wrote to metrics.jsonl:
@@ -104,34 +111,69 @@ class RunStats:
         if self.resumed_records:  # else that launch logged nothing: read the stream from its start
             self.cursor = control.first_metrics_id() or self.cursor
 
-    def drain(self, control, on_eval=None, buffer=None) -> None:
-        """Log the records the run's processes sent since the last drain; after a learner step, also the
-        buffer's depth (``buffer/queued``, ``buffer/pending``: the launcher's own record, from ``buffer``)."""
+    def drain(self, control, say=None, buffer=None) -> None:
+        """Log the records the run's processes sent since the last drain (samples to ``samples.jsonl``);
+        after a learner step, also the buffer's depth (``buffer/queued``, ``buffer/pending``: the launcher's
+        own record, from ``buffer``); after a commit, the room for the next checkpoint (a record, and a
+        line to ``say`` when it will not fit).
+
+        A full disk raises DiskFull, once: this drain's lines are cut from metrics.jsonl (it holds whole
+        drains, so a resumed launch, which reads the stream after the last entry trimmed, repeats none), and
+        from then on records are only counted, neither logged nor trimmed from the stream."""
         try:
             cursor, records = control.read_metrics(self.cursor)
         except Exception:  # the run is ending because redis died; keep what we have
             return
+        full_before, mark = self.disk_full, self.sink.primary.size()
         stepped = False
         for record in records:
-            try:
-                self._fold(record, on_eval)
-                syncs = self.weight_sync.fold(record)
-            except (KeyError, TypeError, ValueError):  # a record of the wrong shape: skipped, counted
-                self.bad_records += 1
-                continue
-            self.sink.log(record)
-            stepped = stepped or "learner/version" in record
-            for sync in syncs:
-                self.sink.log({"time": record.get("time", time.time()), **sync})
-                self.sync_seconds.append(sync["weights/sync_seconds"])
+            stepped = self._take(record, say) or stepped
         if stepped:
             self._sample_buffer(control, buffer)
         self.cursor = cursor
         self.bad_records_read = control.bad_metrics
+        if self.disk_full is not None:
+            if full_before is None:
+                self.sink.primary.truncate(mark)
+                raise self.disk_full
+            return
         try:  # after the records are in metrics.jsonl: a launcher killed in between re-reads, never loses
             control.trim_metrics(cursor)
         except Exception:
             pass
+
+    def _take(self, record: dict, say) -> bool:
+        """One record folded into the figures and logged, with what it completes (weight syncs, the room for
+        the next checkpoint); or skipped and counted. Whether it was a learner step."""
+        try:
+            if ITEMS_FIELD in record:  # what the model wrote: to samples.jsonl, not metrics.jsonl
+                self._log(sample_lines(record), self.samples_log)
+                return False
+            self._fold(record, say)
+            syncs = self.weight_sync.fold(record)
+        except (KeyError, TypeError, ValueError):  # a record of the wrong shape: skipped, counted
+            self.bad_records += 1
+            return False
+        self._log(record)
+        for sync in syncs:
+            self._log({"time": record.get("time", time.time()), **sync})
+            self.sync_seconds.append(sync["weights/sync_seconds"])
+        if "checkpoint/version" in record and self.disk_full is None:
+            room, warning = self.room.after_commit(record)
+            if room is not None:
+                self._log(room)
+            if warning is not None and say is not None:
+                say(warning)
+        return "learner/version" in record
+
+    def _log(self, record, sink=None) -> None:
+        """``record`` to ``sink`` (default: the metrics sinks), unless the disk filled."""
+        if self.disk_full is not None:
+            return
+        try:
+            (sink or self.sink).log(record)
+        except DiskFull as exc:
+            self.disk_full = exc
 
     def _sample_buffer(self, control, buffer) -> None:
         """Once per learner step: the staleness histogram of trained groups (for the summary) and the
@@ -144,9 +186,9 @@ class RunStats:
             counts = buffer.stats()
         except Exception:
             return
-        self.sink.log({"time": time.time(), "buffer/queued": counts["queued"], "buffer/pending": counts["pending"]})
+        self._log({"time": time.time(), "buffer/queued": counts["queued"], "buffer/pending": counts["pending"]})
 
-    def _fold(self, record: dict, on_eval) -> None:
+    def _fold(self, record: dict, say) -> None:
         """Take one record; a field of the wrong shape raises before anything changed."""
         if "learner/version" in record:
             version, staleness_max = int(record["learner/version"]), int(record["buffer/staleness_max"])
@@ -178,13 +220,16 @@ class RunStats:
             self.episodes += done
             self.failures.update(causes)
         if "eval/reward_mean" in record:
-            self.evals[int(record["eval/version"])] = float(record["eval/reward_mean"])
-            if on_eval is not None:
+            version, reward = int(record["eval/version"]), float(record["eval/reward_mean"])
+            points = [int(p) for p in record.get("eval/points") or [record.get("eval/point", version)]]
+            self.evals[version] = reward
+            self.eval_points.update(points)
+            if say is not None:
+                late = f" (eval point {', '.join(map(str, points))}: the first version served at or after it)"
+                late = late if points != [version] else ""
                 failed = f", {record['eval/failed']} episodes failed" if record.get("eval/failed") else ""
-                on_eval(
-                    f"eval at version {record['eval/version']}: reward {record['eval/reward_mean']:.3f} "
-                    f"(exact {record['eval/exact_rate']:.2f}{failed})"
-                )
+                exact = f"exact {record['eval/exact_rate']:.2f}{failed}"
+                say(f"eval at version {version}{late}: reward {reward:.3f} ({exact})")
 
     @property
     def samples_per_s(self) -> float | None:
@@ -202,11 +247,23 @@ class RunStats:
     def final_eval_reward(self) -> float | None:
         return self.evals.get(self.run.steps)
 
+    @property
+    def last_eval(self) -> tuple[int | None, float | None]:
+        """(version, reward) of the newest evaluation: the final one, or where an interrupted run got."""
+        if not self.evals:
+            return None, None
+        version = max(self.evals)
+        return version, self.evals[version]
+
     def summary(self, exit_reason: str) -> dict:
+        last_version, last_reward = self.last_eval
         return {
             "initial_eval_reward": self.initial_eval_reward,
             "final_eval_reward": self.final_eval_reward,
+            "last_eval_version": last_version,
+            "last_eval_reward": last_reward,
             "final_version": self.version,
+            "steps": self.run.steps,
             "max_staleness_seen": self.max_staleness_seen,
             "max_policy_lag": self.run.max_policy_lag,
             "samples_per_s": self.samples_per_s,
@@ -225,12 +282,53 @@ class RunStats:
             "bad_metric_records": self.bad_records + self.bad_records_read,
         }
 
-    def write_summary(self, run_dir: Path, exit_reason: str) -> dict:
+    def write_summary(self, run_dir: Path, exit_reason: str, say=None) -> dict:
+        """``summary.json``. If even that cannot be written (a disk full past the launcher's reserve), the
+        summary goes to ``say`` as one line of JSON instead (raised without ``say``), and summary.json stays
+        as it was: absent, or a resumed run's previous one, never half written."""
         self.sink.close()
+        self.samples_log.close()
         summary = self.summary(exit_reason)
         # valid JSON whatever a metric held: a non-finite number is written as null
-        write_atomic(run_dir / "summary.json", json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
+        try:
+            write_atomic(run_dir / "summary.json", json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
+        except OSError as exc:
+            (run_dir / "summary.json.tmp").unlink(missing_ok=True)
+            if say is None:
+                raise
+            say(f"summary.json not written ({exc.strerror}); the summary: {json.dumps(_finite(summary))}")
         return summary
+
+
+def final_buffer_stats(buffer, say) -> dict | None:
+    """The buffer's counters at the end of a run, for the summary (None without them: the summary is written
+    even when the buffer is gone, which ``say`` tells)."""
+    if buffer is None:
+        return None
+    try:
+        counts = buffer.stats()
+    except Exception as exc:
+        say(f"buffer statistics unavailable at the end: {exc}")
+        return None
+    return {**counts, "lost": lost_groups(counts), "unfinished": unfinished_groups(counts)}
+
+
+def summary_line(name: str, summary: dict, run_dir: Path) -> str:
+    """The launcher's last line. Its evaluations: the first and the final one; for a run that stopped
+    before its final evaluation, the last one there was and its version (``0.227 -> 0.383 at version 20
+    of 40``)."""
+    first, last = _fmt(summary["initial_eval_reward"]), summary["last_eval_version"]
+    evals = f"{first} -> {_fmt(summary['final_eval_reward'])}"
+    if summary["final_eval_reward"] is None and last:  # one after the first
+        evals = f"{first} -> {_fmt(summary['last_eval_reward'])} at version {last} of {summary['steps']}"
+    return (
+        f"run {name}: version {summary['final_version']}, eval reward {evals}, max staleness "
+        f"{summary['max_staleness_seen']}, {_fmt(summary['samples_per_s'], '.1f')} samples/s; see {run_dir}"
+    )
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def _finite(obj):

@@ -25,6 +25,7 @@ from asyncrl.errors import UserError
 from asyncrl.learners.checkpoint import read_committed, write_committed
 from asyncrl.lifetime import Child
 from asyncrl.observe.metrics import read_metrics
+from asyncrl.run.launch import Launcher
 from asyncrl.run.stats import RunStats
 from asyncrl.rundir import pid_alive
 
