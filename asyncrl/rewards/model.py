@@ -29,9 +29,7 @@ def check_export(path: Path) -> Path:
     """``path`` if it holds an ``asyncrl rm`` export, else a UserError saying what is missing."""
     for name in ("config.json", REWARD_HEAD):
         if not (path / name).is_file():
-            raise UserError(
-                f"data.reward={PREFIX}{path}: not an asyncrl rm export (no {name}; see docs/offline.md)"
-            )
+            raise UserError(f"data.reward={PREFIX}{path}: not an asyncrl rm export (no {name}; see docs/offline.md)")
     return path
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from test_config import DEMO
+from demo_launch import DEMO
 
 from asyncrl.config import load_config
 from asyncrl.errors import UserError
