@@ -19,5 +19,5 @@ async def recording_episode(ctx):
 
 def recording_reward(prompt: str, completion: str, record: dict) -> float:
     """1 for a completion that ends with a stop string or is long, 0 otherwise; writes its arguments."""
-    _append(record["reward_log"], {"prompt": prompt, "completion": completion})
+    _append(record["reward_log"], {"prompt": prompt, "completion": completion, "chat": "messages" in record})
     return float(completion.endswith(".") or len(completion) > 20)
