@@ -1,5 +1,6 @@
 """Metric records shaped like a real demo run's ``metrics.jsonl`` (field names as the generators,
-learners and launcher write them), for tests of what reads them: sinks, ``asyncrl plot``."""
+learners and launcher write them), for tests of what reads them: sinks, ``asyncrl plot``, ``RunStats``
+(through :class:`Stream`, a stand-in for the run's metrics stream)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,21 @@ def write_run(run_dir: Path, records: list[dict], summary: dict | None = None) -
     if summary is not None:
         (run_dir / "summary.json").write_text(json.dumps(summary))
     return run_dir
+
+
+class Stream:
+    """The part of RunControl that RunStats.drain reads: one batch of records per drain."""
+
+    bad_metrics = 0
+
+    def __init__(self, *batches: list[dict]):
+        self.batches = list(batches)
+
+    def read_metrics(self, cursor: str) -> tuple[str, list[dict]]:
+        return cursor, self.batches.pop(0) if self.batches else []
+
+    def trim_metrics(self, cursor: str) -> None:
+        pass
+
+    def staleness_histogram(self) -> dict[int, int]:
+        return {}

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 from demo_launch import DEMO, ROOT, demo_launch_cmd
+from metrics_fixtures import Stream
 from services import in_ci
 
 from asyncrl.config import RunConfig, load_config
@@ -66,24 +67,6 @@ def fill(disk: Path, leave: int = 0) -> Path:
         with path.open("r+b") as f:
             f.truncate(max(0, path.stat().st_size - leave))
     return path
-
-
-class Stream:
-    """The part of RunControl that RunStats.drain reads: one batch of records per drain."""
-
-    bad_metrics = 0
-
-    def __init__(self, *batches: list[dict]):
-        self.batches = list(batches)
-
-    def read_metrics(self, cursor: str) -> tuple[str, list[dict]]:
-        return cursor, self.batches.pop(0) if self.batches else []
-
-    def trim_metrics(self, cursor: str) -> None:
-        pass
-
-    def staleness_histogram(self) -> dict[int, int]:
-        return {}
 
 
 def big_record(i: int) -> dict:

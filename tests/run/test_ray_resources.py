@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 from demo_launch import ROOT, demo_launch_cmd
 from services import in_ci
+from test_ray import _free_port, _session
 
 from asyncrl.run import ray_backend
 
@@ -50,24 +50,6 @@ def test_what_a_run_needs_and_what_a_cluster_lacks():
 
 
 # -- a real head ---------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _session(leader: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) == leader:
-                    out.append(int(entry))
-            except OSError:
-                pass
-    return out
-
-
 @pytest.fixture(scope="module")
 def small_head() -> Iterator[str]:
     """A one-node cluster of 2 CPUs, as the README's `ray start --head --num-cpus 2`; yields its address."""

@@ -5,23 +5,10 @@ from __future__ import annotations
 
 import json
 
+from metrics_fixtures import Stream
+
 from asyncrl.config import RunConfig
 from asyncrl.run.stats import RunStats, summary_line
-
-
-class Stream:
-    """The part of RunControl that RunStats.drain reads: one batch of records per drain."""
-
-    bad_metrics = 0
-
-    def __init__(self, *batches: list[dict]):
-        self.batches = list(batches)
-
-    def read_metrics(self, cursor: str) -> tuple[str, list[dict]]:
-        return cursor, self.batches.pop(0) if self.batches else []
-
-    def trim_metrics(self, cursor: str) -> None:
-        pass
 
 
 def evaluation(version: int, reward: float, point: int | None = None) -> dict:

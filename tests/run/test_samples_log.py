@@ -11,27 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 from demo_launch import ROOT, assert_one_line_error, asyncrl, demo_launch_cmd
+from metrics_fixtures import Stream
 
 from asyncrl.config import RunConfig
 from asyncrl.episodes.api import Outcome
 from asyncrl.observe.metrics import read_metrics
 from asyncrl.run.samples import SamplesLog, sample_lines
 from asyncrl.run.stats import RunStats
-
-
-class Stream:
-    """The part of RunControl that RunStats.drain reads: one batch of records per drain."""
-
-    bad_metrics = 0
-
-    def __init__(self, *batches: list[dict]):
-        self.batches = list(batches)
-
-    def read_metrics(self, cursor: str) -> tuple[str, list[dict]]:
-        return cursor, self.batches.pop(0) if self.batches else []
-
-    def trim_metrics(self, cursor: str) -> None:
-        pass
 
 
 def sample_record(kind: str, version: int, n: int = 2, text: str = "sort:cba=") -> dict:
