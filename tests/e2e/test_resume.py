@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from demo_launch import ROOT, demo_launch_cmd
+from demo_launch import DEMO, ROOT, demo_launch_cmd
 from test_supervision import latest_version, wait_for
 
 from asyncrl.rundir import pid_alive
@@ -143,7 +143,7 @@ def test_a_launch_refuses_a_run_directory_whose_processes_still_run(tmp_path):
         info = {"run_id": "busy-1", "prefix": "asyncrl:{busy-1}:", "launcher_pid": 999_999_999, "pids": {}}
         info.update(redis_pid=orphan.pid, redis_dir=str(run_dir / "redis"))
         (run_dir / "run.json").write_text(json.dumps(info))
-        (run_dir / "config.yaml").write_text("run:\n  name: busy\n")
+        (run_dir / "config.yaml").write_text(DEMO.read_text().replace("name: demo", "name: busy"))
         (run_dir / "redis").mkdir()
         (run_dir / "redis.url").write_text("redis://:pw@127.0.0.1:1/0\n")
         for cmd in (
