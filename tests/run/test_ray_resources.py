@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from demo_launch import ROOT, demo_launch_cmd
 from services import in_ci
-from test_ray import _free_port, _session
+from test_ray import _end_session, _free_port
 
 from asyncrl.run import ray_backend
 
@@ -86,18 +86,7 @@ def small_head() -> Iterator[str]:
             time.sleep(1)
         yield address
     finally:
-        if head.poll() is None:
-            head.send_signal(signal.SIGTERM)  # `ray start --block` stops its node on SIGTERM
-            try:
-                head.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        for pid in _session(head.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        head.wait(timeout=10)
+        _end_session(head)  # `ray start --block` stops its node on SIGTERM; SIGKILL for what is left
         shutil.rmtree(tmp, ignore_errors=True)
 
 
