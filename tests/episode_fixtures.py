@@ -29,18 +29,19 @@ class CountingEnv:
 
 
 class RaisingEnv(CountingEnv):
-    """Raises in ``step`` for every episode whose seed is divisible by ``every``."""
+    """Raises in ``step`` for every episode whose seed is divisible by ``every``, or, given ``share``,
+    for that share of the episodes (episode seeds are well mixed: the failures fall at random)."""
 
-    def __init__(self, every: int = 3, turns: int = 2):
+    def __init__(self, every: int = 3, turns: int = 2, share: float | None = None):
         super().__init__(turns)
-        self.every = every
+        self.every, self.share = every, share
 
     async def reset(self, task: dict, seed: int) -> str:
         self.seed = seed
         return "go:"
 
     async def step(self, action: str):
-        if self.seed % self.every == 0:
+        if self.seed % self.every == 0 if self.share is None else self.seed % 1000 < self.share * 1000:
             raise RuntimeError("the environment broke")
         return await super().step(action)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from asyncrl.config.base import Section
 
@@ -14,6 +14,12 @@ class EpisodeConfig(Section):
         None,
         description="'module:name' of an async episode function or an Env class (see asyncrl.episodes.api); None: "
         "one completion scored by data.reward, or a tool loop when tools are given.",
+    )
+    env_url: str | None = Field(
+        None,
+        description="An `asyncrl env-serve` server's URL (http://:TOKEN@host:port, or the token from "
+        "$ASYNCRL_ENV_TOKEN): each episode plays one session of its environment there, built with "
+        "episode.options (see asyncrl.episodes.remote_env). Not with episode.function.",
     )
     tools: list[str] = Field([], description="'module:name' of each @asyncrl.episodes.tools.tool the model may call.")
     tool_parser: str = Field("simple", description="Tool-call format: simple, hermes, or 'module:function'.")
@@ -48,10 +54,50 @@ class EpisodeConfig(Section):
         0.5,
         gt=0,
         le=1,
-        description="Stop the run with an error when more than this share of a generator's last failure_window "
-        "episodes failed.",
+        description="Stop the run with an error when more than this share of failure_window episodes failed "
+        "among a generator's last failure_window (counted by whole groups as they end).",
     )
-    failure_window: int = Field(100, ge=1, description="Episodes the failure limit looks back over.")
+    failure_window: int = Field(
+        400,
+        ge=1,
+        description="Episodes the failure limit looks back over: many groups, since failures come in whole "
+        "groups (at 400 a run whose groups fail at random at 20% stays far under a 50% limit; one at 70% "
+        "stops within ~290 episodes).",
+    )
+    plain_code: Literal["process", "thread"] = Field(
+        "process",
+        description="Where plain (blocking) environments, tools and rewards run: process = the generator's pool "
+        "of killable worker processes (a hang, crash or memory blow-up ends only the episodes it touched); "
+        "thread = threads of the generator (no isolation; a hung call keeps its thread). async code runs on the "
+        "generator's event loop either way (see asyncrl.episodes.user_code).",
+    )
+    workers: int = Field(
+        4,
+        ge=1,
+        description="Worker processes of a generator's pool (started as needed). Each hosts many environment "
+        "sessions; a worker's crash ends the episodes whose sessions it held, so more workers mean fewer "
+        "episodes ended per crash, at ~20 MB each.",
+    )
+    worker_threads: int = Field(
+        32,
+        ge=1,
+        description="Calls one worker process runs at once (its threads): workers x worker_threads plain calls "
+        "run concurrently, the rest wait for a free thread (that wait does not count against their timeouts).",
+    )
+    worker_memory_mb: int | None = Field(
+        None,
+        ge=16,
+        description="A worker process whose resident memory passes this is killed: its calls and sessions "
+        "end as env_memory / tool_memory / reward_memory. None: no limit but the machine's.",
+    )
     options: dict[str, Any] = Field(
         {}, description="Settings for the episode: keyword arguments of an Env class, ctx.options of a function."
     )
+
+    @model_validator(mode="after")
+    def _one_environment(self) -> EpisodeConfig:
+        if self.env_url is not None and self.function is not None:
+            raise ValueError("episode.env_url and episode.function both name the episode: give one")
+        if self.env_url is not None and not self.env_url.startswith(("http://", "https://")):
+            raise ValueError(f"episode.env_url must be an http(s):// URL, not {self.env_url!r}")
+        return self

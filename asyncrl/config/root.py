@@ -157,11 +157,17 @@ def _describe(error: dict) -> str:
     return f"{field}: {msg}"
 
 
-def dump_config(cfg: Config) -> str:
-    """The resolved config as YAML, secrets redacted (what ``--dry-run`` prints and ``config.yaml`` holds)."""
+def dump_config(cfg: Config, shown: bool = True) -> str:
+    """The resolved config as YAML, secrets redacted: the Redis URL's always (processes get it from their
+    environment); the tokens of reward and environment server URLs only where ``shown`` (``--dry-run``),
+    since ``config.yaml`` (0600, read by the generators) must keep them."""
     from asyncrl.net import redact_url
 
     tree = cfg.model_dump(mode="json")
-    if tree["buffer"].get("url"):
-        tree["buffer"]["url"] = redact_url(tree["buffer"]["url"])
+    served = [("data", "reward"), ("data", "eval_reward"), ("episode", "env_url")]  # reward and environment servers
+    urls = [("buffer", "url"), *(served if shown else [])]
+    for section, key in urls:
+        value = tree[section].get(key)
+        if isinstance(value, str) and value.startswith(("redis://", "rediss://", "http://", "https://")):
+            tree[section][key] = redact_url(value)
     return yaml.safe_dump(tree, sort_keys=False)

@@ -16,7 +16,8 @@ mapping of named parts that sum to it)::
 Or a gym-shaped :class:`Env` (``reset(task, seed)``, ``step(action) -> observation, reward, done,
 info``, ``close()``; async or plain), which :func:`env_episode` wraps into one; its per-turn rewards
 sum to the episode's. ``episode.function`` in the config names either by import path. Each episode
-gets its own Env instance; nothing is shared between episodes.
+gets its own Env instance; nothing is shared between episodes. Where each piece of user code runs
+(``async`` on the event loop, plain in killable worker processes) is ``asyncrl.episodes.user_code``'s.
 
 Tokens: the sample is the prompt's ids, then every model turn's tokens as the engine sampled them
 (mask 1, their behaviour log-probs, the version of the weights that produced each), with every
@@ -42,8 +43,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.chat import stop_at
-from asyncrl.data import call_bounded, import_by_path, prompt_of
+from asyncrl.data import import_by_path, prompt_of
+from asyncrl.episodes.pool import WorkerPool
 from asyncrl.episodes.tools import Tool, ToolCall, load_parser, load_tools
+from asyncrl.episodes.user_code import LocalEnv, PooledEnv, caller, plain_env_target
 from asyncrl.errors import EpisodeFailure, UserError
 from asyncrl.rewards import resolve as rewards
 
@@ -81,13 +84,17 @@ class Context:
         tools: dict[str, Tool],
         parser: Callable[[str, dict[str, Tool]], list[ToolCall]],
         reward: rewards.RewardFn,
+        pool: WorkerPool | None = None,
     ):
         """``budget``: tokens the episode may add after its prompt (model and observation tokens);
-        ``stop``: the run's stop strings (a turn's text ends at the first)."""
+        ``stop``: the run's stop strings (a turn's text ends at the first); ``pool``: where plain
+        environments, tools and rewards run (None: on threads)."""
         self.task, self.seed, self.prompt_ids = task, seed, prompt_ids
         self._complete, self._chat, self._budget, self._max_new = complete, chat, budget, max_new_tokens
         self._stop = tuple(stop)
         self._cfg, self.tools, self._parser, self._reward = cfg, tools, parser, reward
+        self._pool = pool
+        self._env_call, self._tool_call, self._reward_call = (caller(pool, k) for k in ("env", "tool", "reward"))
         self.options = cfg.options  # the run's episode.options
         # the sample, token by token
         self.tokens: list[int] = []
@@ -109,6 +116,10 @@ class Context:
         now = time.perf_counter()
         waiting = now - self._engine_since if self._engine_since is not None else 0.0
         return now - since - self.engine_seconds - waiting
+
+    @property
+    def step_timeout_s(self) -> float:
+        return self._cfg.step_timeout_s
 
     @property
     def tokens_left(self) -> int:
@@ -163,12 +174,13 @@ class Context:
         self._last_turn = []
 
     async def env_call(self, fn: Callable, *args: Any) -> Any:
-        """``fn(*args)`` as one environment step: awaited if async, else on a worker thread; bounded by
-        ``episode.step_timeout_s``; its errors become ``env_error`` / ``env_timeout``."""
+        """``fn(*args)`` as one environment step: awaited if async, else in a worker process (or on a
+        thread, see ``asyncrl.episodes.user_code``); bounded by ``episode.step_timeout_s``; its errors
+        become ``env_error`` / ``env_timeout`` (and ``env_crash`` / ``env_memory`` in a worker)."""
         timeout = self._cfg.step_timeout_s
         t0 = time.perf_counter()
         try:
-            return await call_bounded(fn, timeout, *args)
+            return await self._env_call(fn, timeout, *args)
         except TimeoutError:
             raise EpisodeFailure("env_timeout", f"{_name(fn)} took longer than {timeout:g} s") from None
         except EpisodeFailure:
@@ -194,7 +206,7 @@ class Context:
             spec = self.tools.get(call.name)
             if spec is None:
                 raise EpisodeFailure("tool_error", f"no tool named {call.name!r}")
-            return await spec(call.arguments, spec.timeout_s or self._cfg.tool_timeout_s)
+            return await spec(call.arguments, spec.timeout_s or self._cfg.tool_timeout_s, call=self._tool_call)
         except EpisodeFailure as failure:
             self.tool_failures[failure.cause] += 1
             if self._cfg.tool_errors == "fail":
@@ -207,7 +219,16 @@ class Context:
     async def score(self, completion: str) -> dict[str, float]:
         """The run's ``data.reward`` of ``completion`` for this task (see ``asyncrl.rewards.resolve``)."""
         prompt = self._chat.prompt_text(prompt_of(self.task))  # chat messages: as the template rendered them
-        return await rewards.score(self._reward, prompt, completion, self.task, self._cfg.reward_timeout_s)
+        return await rewards.score(
+            self._reward, prompt, completion, self.task, self._cfg.reward_timeout_s, call=self._reward_call
+        )
+
+    async def open_env(self, make_env: Callable[[], Env], target: str | None, options: dict) -> LocalEnv | PooledEnv:
+        """This episode's environment: a session in the pool when ``target`` names a plain environment
+        class and the run has a pool, else ``make_env()`` here."""
+        if target is not None and self._pool is not None:
+            return await PooledEnv.open(self._pool, target, options, self)
+        return LocalEnv(make_env(), self)
 
 
 # ----------------------------------------------------------------------------------- environments
@@ -225,21 +246,24 @@ class Env(Protocol):
     def close(self) -> None: ...
 
 
-def env_episode(make_env: Callable[[], Env], max_turns: int) -> Episode:
+def env_episode(
+    make_env: Callable[[], Env], max_turns: int, target: str | None = None, options: dict | None = None
+) -> Episode:
     """An episode that plays ``make_env()`` for up to ``max_turns`` model turns; the reward is the
     sum of the per-turn rewards (named ``reward``) or of the named parts a step's ``info['reward_parts']``
-    gives, and each turn is credited with its own (``Context.reward_turn``)."""
+    gives, and each turn is credited with its own (``Context.reward_turn``). ``target``: the import
+    path of a plain environment class, built with ``options`` in a worker process of the run's pool."""
 
     async def episode(ctx: Context) -> dict[str, float]:
-        env = make_env()
+        env = await ctx.open_env(make_env, target, options or {})
         try:
-            first = await ctx.env_call(env.reset, ctx.task, ctx.seed)
+            first = await env.reset(ctx.task, ctx.seed)
             if first:
                 ctx.observe(first)
             parts: dict[str, float] = collections.defaultdict(float)
             for _ in range(max_turns):
                 turn = await ctx.generate()
-                observation, reward, done, info = await ctx.env_call(env.step, turn.text)
+                observation, reward, done, info = _step_result(await env.step(turn.text))
                 step_parts = rewards.reward_parts((info or {}).get("reward_parts", reward))
                 for name, value in step_parts.items():
                     parts[name] += value
@@ -249,11 +273,20 @@ def env_episode(make_env: Callable[[], Env], max_turns: int) -> Episode:
                 ctx.observe(observation)
             return dict(parts) or {"reward": 0.0}
         finally:
-            close = getattr(env, "close", None)
-            if close is not None:
-                await _quietly(ctx.env_call(close))
+            await _quietly(env.close())
 
     return episode
+
+
+def _step_result(result: Any) -> tuple[Any, float, bool, dict]:
+    """``(observation, reward, done, info)`` of a step (a list once it crossed from a worker process)."""
+    try:
+        observation, reward, done, info = result
+    except (TypeError, ValueError):
+        raise EpisodeFailure(
+            "env_error", f"step() returned {type(result).__name__}, not (observation, reward, done, info)"
+        ) from None
+    return observation, reward, done, info
 
 
 async def _quietly(call: Awaitable) -> None:
@@ -290,11 +323,17 @@ def load_episode(cfg: EpisodeConfig) -> tuple[Episode, dict[str, Tool], Callable
     """The episode, tools and tool-call parser the config names."""
     tools = load_tools(cfg.tools)
     parser = load_parser(cfg.tool_parser)
+    if cfg.env_url is not None:  # an environment served by `asyncrl env-serve`, one session per episode
+        from asyncrl.episodes.remote_env import RemoteEnv
+
+        make_env = functools.partial(RemoteEnv, cfg.env_url, options=cfg.options, timeout_s=cfg.step_timeout_s)
+        return env_episode(make_env, cfg.max_turns), tools, parser
     if cfg.function is None:
         return (tool_episode(cfg.max_turns) if tools else single_turn), tools, parser
     obj = import_by_path(cfg.function)
     if inspect.isclass(obj):
-        return env_episode(functools.partial(obj, **cfg.options), cfg.max_turns), tools, parser
+        target = plain_env_target(obj, cfg.function) if cfg.plain_code == "process" else None
+        return env_episode(functools.partial(obj, **cfg.options), cfg.max_turns, target, cfg.options), tools, parser
     if not inspect.iscoroutinefunction(obj):
         raise UserError(f"episode.function {cfg.function!r} must be an `async def` episode or an Env class")
     return obj, tools, parser

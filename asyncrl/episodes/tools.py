@@ -9,8 +9,9 @@ is chosen by name (``simple``, ``hermes``) or by import path (a function ``text 
 * ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the format of the Hermes,
   Qwen and SmolLM3 chat templates.
 
-Concurrency: an ``async`` tool runs on the generator's event loop; a plain one on a worker thread (a
-thread cannot be killed: one that hangs past its timeout keeps its thread while the call fails).
+Concurrency: an ``async`` tool runs on the generator's event loop; a plain one in a worker process of
+the generator's pool, killed and replaced when it hangs past its timeout (see
+``asyncrl.episodes.user_code``; a plain tool may run again when another call's fault killed its worker).
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ class Tool:
             "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
         }
 
-    async def __call__(self, arguments: dict, timeout_s: float) -> str:
-        """The tool's result as text; :class:`EpisodeFailure` ``tool_error`` / ``tool_timeout``."""
+    async def __call__(self, arguments: dict, timeout_s: float, call: Callable = call_bounded) -> str:
+        """The tool's result as text; :class:`EpisodeFailure` ``tool_error`` / ``tool_timeout`` (and, run
+        by the episode's ``call`` in a worker process, ``tool_crash`` / ``tool_memory``)."""
         try:
-            result = await call_bounded(self.fn, timeout_s, **arguments)
+            result = await call(self.fn, timeout_s, **arguments)
         except TimeoutError:
             raise EpisodeFailure("tool_timeout", f"{self.name} gave no result within {timeout_s:g} s") from None
+        except EpisodeFailure:
+            raise
         except Exception as exc:  # noqa: BLE001 - the tool's own error is the episode's data
             raise EpisodeFailure("tool_error", f"{self.name}: {type(exc).__name__}: {exc}") from exc
         return result if isinstance(result, str) else json.dumps(result)

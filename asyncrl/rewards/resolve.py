@@ -11,10 +11,11 @@ place where a reward's result is judged:
   ``reward_error``; no answer within ``timeout_s`` is ``reward_timeout``. Each is an
   :class:`~asyncrl.errors.EpisodeFailure`: counted by cause, never scored as 0.
 
-A plain function runs on a worker thread, so a slow one never blocks the generator's event loop; a
-thread cannot be killed, so one that never returns keeps its thread (the timeout still fires and the
-episode is failed). For hard per-item deadlines serve the function with ``asyncrl reward-serve``,
-which runs it in replaceable worker processes.
+In a generator a plain function runs in a worker process of the generator's pool (killed and replaced
+when it hangs past ``timeout_s``: ``reward_timeout``; ``reward_crash`` / ``reward_memory`` when it dies),
+so a slow one never blocks the generator's event loop and a hung one holds nothing; called elsewhere
+(offline evaluation) it runs on a thread. To share rewards across generators or machines, serve the
+function with ``asyncrl reward-serve``, which runs it in replaceable worker processes too.
 """
 
 from __future__ import annotations
@@ -45,11 +46,14 @@ def load_reward(spec: str, timeout_s: float) -> RewardFn:
     return import_by_path(spec)
 
 
-async def score(fn: RewardFn, prompt: str, completion: str, record: dict, timeout_s: float) -> dict[str, float]:
+async def score(
+    fn: RewardFn, prompt: str, completion: str, record: dict, timeout_s: float, call: Callable = call_bounded
+) -> dict[str, float]:
     """``fn(prompt, completion, record)`` judged (see the module doc): the reward's named parts, one
-    part named ``reward`` for a plain number. Raises :class:`EpisodeFailure`."""
+    part named ``reward`` for a plain number. Raises :class:`EpisodeFailure`. ``call`` runs ``fn``: an
+    episode's runs plain rewards in the generator's worker processes (``asyncrl.episodes.user_code``)."""
     try:
-        value = await call_bounded(fn, timeout_s, prompt, completion, record)
+        value = await call(fn, timeout_s, prompt, completion, record)
     except TimeoutError:
         raise EpisodeFailure("reward_timeout", f"no score within {timeout_s:g} s") from None
     except EpisodeFailure:

@@ -112,7 +112,7 @@ class Launcher:
                 shutil.rmtree(self.run_dir / stale, ignore_errors=True)
         self.remove_uncommitted()  # a resumed run's: its learners start from the committed one
         self.reserve.take()
-        return write_secret(self.run_dir / "config.yaml", dump_config(self.cfg), newline=False)
+        return write_secret(self.run_dir / "config.yaml", dump_config(self.cfg, shown=False), newline=False)
 
     def take_secret(self) -> str:
         """The run's secret (``asyncrl.secret``): the resumed run's own, else ``$ASYNCRL_SECRET``, else a

@@ -84,6 +84,8 @@ class RunStats:
         self.eval_points: set[int] = set()  # the eval points those stand for (generators.evaluation)
         self.episodes = 0  # episodes generators finished (each report counts its own)
         self.failures: collections.Counter[str] = collections.Counter()  # failed episodes by cause
+        self.tool_failures: collections.Counter[str] = collections.Counter()  # failed tool calls by cause
+        self.generator_peaks = {"threads": 0, "child_processes": 0}  # of any one generator process
         self.error: str | None = None
         self.buffer: dict | None = None  # the buffer's counters at the end (pushed, trained, ..., lost)
         self.restarts: dict[str, int] = {}
@@ -219,6 +221,12 @@ class RunStats:
             }
             self.episodes += done
             self.failures.update(causes)
+            self.tool_failures.update(
+                {k.removeprefix("tools/"): int(v) for k, v in record.items() if k.startswith("tools/")}
+            )
+            for name in self.generator_peaks:
+                peak = int(record.get(f"generator/{name}_peak", 0))
+                self.generator_peaks[name] = max(self.generator_peaks[name], peak)
         if "eval/reward_mean" in record:
             version, reward = int(record["eval/version"]), float(record["eval/reward_mean"])
             points = [int(p) for p in record.get("eval/points") or [record.get("eval/point", version)]]
@@ -272,6 +280,8 @@ class RunStats:
             "evals": {str(k): v for k, v in sorted(self.evals.items())},
             "episodes": self.episodes,
             "episodes_failed": dict(sorted(self.failures.items())),
+            "tool_calls_failed": dict(sorted(self.tool_failures.items())),
+            "generator_peaks": self.generator_peaks,
             "weights_sync_seconds": _quantiles(self.sync_seconds),
             "staleness_histogram": {str(k): v for k, v in sorted(self.staleness_histogram.items())},
             "buffer": self.buffer,

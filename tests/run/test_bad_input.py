@@ -34,6 +34,11 @@ def test_secrets_are_redacted_where_the_config_is_shown_or_stored():
     text = dump_config(cfg)
     assert "hunter2" not in text and "redis://:***@127.0.0.1:6379/0" in text
     assert cfg.buffer.url.endswith("hunter2@127.0.0.1:6379/0")  # the running config keeps it
+    served = {"data.reward": "http://:tok1@127.0.0.1:9/score", "episode.env_url": "http://:tok2@10.0.0.2:8000"}
+    cfg = load_config(DEMO, {**served, "episode.function": None})
+    shown, stored = dump_config(cfg), dump_config(cfg, shown=False)
+    assert "tok1" not in shown and "tok2" not in shown and "http://:***@10.0.0.2:8000" in shown  # --dry-run
+    assert "tok1" in stored and "tok2" in stored  # config.yaml (0600): the generators need them
 
 
 def test_the_run_directory_and_its_config_are_private(tmp_path):
