@@ -11,6 +11,8 @@ import sys
 import time
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from asyncrl.config import ZmqWeightsConfig
 from asyncrl.keys import RunKeys
@@ -22,7 +24,10 @@ def redis_attempts(address: str, prefix: str) -> dict[str, str]:
     host, port = address.rsplit(":", 1)
     keys, out = RunKeys(prefix), {}
     for who, password in (("redis without a password", None), ("redis with a wrong password", new_secret())):
-        client = redis.Redis(host=host, port=int(port), password=password, socket_timeout=5, socket_connect_timeout=5)
+        client = redis.Redis(  # no retry: redis-py retries even a refused password, with backoff (seconds)
+            host=host, port=int(port), password=password, socket_timeout=5, socket_connect_timeout=5,
+            retry=Retry(NoBackoff(), 0),
+        )  # fmt: skip
         for what, call in (
             ("push a trajectory", lambda c: c.xadd(keys.traj, {"gid": "x", "producer": "intruder", "frame": b"x"})),
             ("read trajectories", lambda c: c.xrange(keys.traj, count=1)),
@@ -38,15 +43,23 @@ def redis_attempts(address: str, prefix: str) -> dict[str, str]:
 
 
 def weight_attempts(address: str, wait_s: float = 5.0) -> dict[str, int | None]:
-    out = {}
-    for who, secret in (("weights without the secret", None), ("weights with a wrong secret", new_secret())):
-        sub = setup_subscriber(ZmqWeightsConfig(relay=False), address, "intruder", secret=secret)
-        got, deadline = None, time.monotonic() + wait_s
-        while got is None and time.monotonic() < deadline:
-            update = sub.poll(200)
-            got = None if update is None else update.version
+    """Both subscribers listen at once, each for the whole ``wait_s``: the version either got, or None."""
+    attempts = [
+        ("weights without the secret", "intruder", None),
+        ("weights with a wrong secret", "intruder-2", new_secret()),
+    ]
+    subs = {
+        who: setup_subscriber(ZmqWeightsConfig(relay=False), address, ident, secret=secret)
+        for who, ident, secret in attempts
+    }
+    out: dict[str, int | None] = dict.fromkeys(subs)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        for who, sub in subs.items():
+            if out[who] is None and (update := sub.poll(100)) is not None:
+                out[who] = update.version
+    for sub in subs.values():
         sub.close()
-        out[who] = got
     return out
 
 

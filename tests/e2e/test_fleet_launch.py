@@ -60,6 +60,7 @@ def test_generators_join_leave_and_die_while_the_run_goes_on(tmp_path):
     env = {**os.environ, "ASYNCRL_SECRET": secret, "PYTHONUNBUFFERED": "1"}
     run_dir = tmp_path / "fleet"
     procs: list[subprocess.Popen] = []
+    probe: subprocess.Popen | None = None  # tests/intruder.py
     with namespace("fleet") as ns:
         log = (tmp_path / "launch.log").open("w")
         args = ["--learners", "2", "--generators", "1", "--host", ns.outer, "--steps", "24"]
@@ -78,6 +79,12 @@ def test_generators_join_leave_and_die_while_the_run_goes_on(tmp_path):
             fleets = [status(run_dir)["fleet"]]
 
             pause(learners, signal.SIGSTOP)  # the run holds still while three generators join
+            # from "another host", without the secret: no trajectories, no weights either way (the probe's
+            # attempts run while the joiners start, and are read once they have joined)
+            weights_address = control.get_meta("weights_address")
+            assert weights_address.startswith(f"tcp://{ns.outer}:")
+            probe_cmd = ns.cmd(sys.executable, "tests/intruder.py", address, run_info["prefix"], weights_address)
+            probe = subprocess.Popen(probe_cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             joiners = {}
             for i, name in enumerate(("joined-a", "joined-b", "joined-ns")):
                 cmd = [sys.executable, "-m", "asyncrl.cli", "generator", "--redis", address, "--id", name]
@@ -95,12 +102,9 @@ def test_generators_join_leave_and_die_while_the_run_goes_on(tmp_path):
                 return len(beats) == 4 and all(int(b["version"]) >= buffer.get_version() for b in beats.values())
 
             wait_for("every generator on the newest weights", all_serve_the_newest, procs)
-            # from "another host", without the secret: no trajectories, no weights either way
-            weights_address = control.get_meta("weights_address")
-            assert weights_address.startswith(f"tcp://{ns.outer}:")
-            probe = ns.cmd(sys.executable, "tests/intruder.py", address, run_info["prefix"], weights_address)
-            out = subprocess.run(probe, cwd=ROOT, capture_output=True, text=True, timeout=120)
-            attempts = json.loads(out.stdout.splitlines()[-1])
+            probe_out, probe_err = probe.communicate(timeout=120)
+            assert probe.returncode == 0, probe_err[-2000:]
+            attempts = json.loads(probe_out.splitlines()[-1])
             assert len(attempts) == 8 and "accepted" not in attempts.values(), attempts
             assert attempts["weights without the secret"] is None and attempts["weights with a wrong secret"] is None
             listing = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=30).stdout
@@ -125,7 +129,7 @@ def test_generators_join_leave_and_die_while_the_run_goes_on(tmp_path):
             assert launcher.wait(timeout=600) == 0, (tmp_path / "launch.log").read_text()[-3000:]
             assert joiners["joined-ns"].wait(timeout=60) == 0  # the run's end ends a joined generator too
         finally:
-            for p in procs:
+            for p in procs + ([probe] if probe is not None else []):
                 if p.poll() is None:
                     p.kill()
                     p.wait(timeout=30)

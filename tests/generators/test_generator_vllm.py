@@ -136,14 +136,22 @@ def test_generator_serves_the_learners_version(cfg, engine, tiny_model_dir, redi
 
 class SwitchAfter:
     """A subscriber that shows nothing for the first ``polls`` polls, then the real one's newest
-    version (waiting for it): makes the switch land mid-generation, deterministically."""
+    version (waiting for it): makes the switch land mid-generation, deterministically. Past the switch
+    it polls as asked (the pump asks without waiting between engine steps: waiting there for a version
+    that never comes would stall every step)."""
 
     def __init__(self, inner, polls: int):
-        self.inner, self.polls = inner, polls
+        self.inner, self.polls, self.switched = inner, polls, False
 
     def poll(self, timeout_ms: int = 0):
         self.polls -= 1
-        return self.inner.poll(5000) if self.polls < 0 else None
+        if self.polls >= 0:
+            return None
+        if self.switched:
+            return self.inner.poll(timeout_ms)
+        update = self.inner.poll(30_000)  # the version published before generation began: there at once
+        self.switched = update is not None
+        return update
 
     @property
     def rejected(self) -> int:

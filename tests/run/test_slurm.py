@@ -206,10 +206,10 @@ class Jobs:
         self.ids.append(jobid)
         return Path(script), jobid
 
-    def submit_run(self, name: str, *argv: str) -> tuple[Path, str]:
+    def submit_run(self, name: str, *argv: str, exit_wait_s: int = 20) -> tuple[Path, str]:
         sets = [x for s in [f"run.out_dir={self.out_dir}", *FAST] for x in ("--set", s)]
         return self.submit("--config", "configs/demo-cpu.yaml", "--name", name, *PARTITIONS, *sets,
-                           "--exit-wait-s", "20", "--time", "15", *argv)  # fmt: skip
+                           "--exit-wait-s", str(exit_wait_s), "--time", "15", *argv)  # fmt: skip
 
     def queued(self, jobid: str) -> bool:
         return bool(self.sh("squeue", "-h", "-j", jobid, "-o", "%i").strip())
@@ -273,7 +273,9 @@ def cmdlines_with(text: str) -> list[str]:
 def test_het_job_runs_the_demo_survives_a_killed_generator_and_takes_a_joined_one(jobs, tmp_path):
     """The run has two generators of its own job in turn (the first SIGKILLed and restarted, each
     SIGSTOPped before it joins) and one of a --join job: the run completes only through the joined one."""
-    script, job = jobs.submit_run("het")
+    # the job's own generator is SIGSTOPped when the run ends: it cannot leave, so the job's exit wait is spent
+    # in full before its step is cancelled (the join job's generator leaves by itself, within its 20 s)
+    script, job = jobs.submit_run("het", exit_wait_s=2)
     run_dir, out = tmp_path / "het", tmp_path / "het.slurm" / f"job-{job}.out"
     first = wait_for(lambda: generator_pid(f"slurm{job}-"), 300, "the job's generator", out)
     os.kill(first, signal.SIGKILL)  # a crashed generator step: started again under a new id
