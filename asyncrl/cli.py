@@ -93,8 +93,9 @@ def cmd_launch(args) -> int:
     stop_on_signals()  # Ctrl-C even in a background job; SIGTERM the same stop (exit codes 130, 143)
     if args.show_prompts is not None and not args.dry_run:
         raise UserError("--show-prompts goes with --dry-run (it prints prompts instead of starting a run)")
-    # The launcher compiles no kernels. transformers' import (the prompt check) reaches torch's dynamo, which
-    # imports triton only to ask whether it is there, and triton prints a nanobind "leaked" dump at exit.
+    # The launcher compiles no kernels. transformers' import (the prompt check, for a tokenizer that needs it)
+    # reaches torch's dynamo, which imports triton only to ask whether it is there, and triton prints a
+    # nanobind "leaked" dump at exit.
     sys.modules.setdefault("triton", None)
 
     from asyncrl.config import dump_config

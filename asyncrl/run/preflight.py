@@ -100,10 +100,10 @@ def external_redis_url(cfg: Config) -> str | None:
 
 
 def preflight(cfg: Config, redis_url: str | None, log=print) -> Config:
-    """Every check but the prompts' lengths (the launcher runs that one :func:`in_background`: it imports
-    transformers and tokenizes every prompt, about 4 s on 2 cores, better spent beside the children's
-    start), and the model built or converted if need be. Returns the config the run uses (``cfg``, or
-    with ``model.path`` a GGUF's converted directory: see the module's doc)."""
+    """Every check but the prompts' lengths (the launcher runs that one :func:`in_background`: it tokenizes
+    every prompt, and where the model's tokenizer needs transformers it imports that, about 4 s on 2 cores,
+    better spent beside the children's start), and the model built or converted if need be. Returns the
+    config the run uses (``cfg``, or with ``model.path`` a GGUF's converted directory: see the module's doc)."""
     preflight_light(cfg, redis_url, prompts=False)
     return ensure_model(cfg, log)
 
@@ -134,19 +134,23 @@ def check_prompt_lengths(cfg: Config) -> None:
     """Every train and eval prompt leaves room for ``generator.max_new_tokens`` in the model's context;
     else one error naming the first such line (a generator would skip and count them, but a dataset
     that does not fit the model is a mistake better shown before the run). Needs the model's tokenizer:
-    ``--dry-run`` checks only when the model is already there."""
+    ``--dry-run`` checks only when the model is already there. The tokenizer is the ``tokenizers``
+    library's where that encodes exactly as transformers' would (:func:`plain_tokenizer`; the launcher then
+    never imports transformers and torch, about 3 CPU-seconds), else transformers' ``AutoTokenizer``."""
     if not (Path(cfg.model.path) / "config.json").is_file():
         return
-    from transformers import AutoTokenizer
-
     from asyncrl.chat import ChatTokens
     from asyncrl.data import numbered_jsonl, prompt_of
-    from asyncrl.generators.engine import context_length, fits
+    from asyncrl.generators.engine import fits
 
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    tok.model_max_length = 1 << 62  # measuring here: transformers' "longer than the maximum" warning is ours to say
+    tok = plain_tokenizer(cfg.model.path)
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(cfg.model.path)
+        tok.model_max_length = 1 << 62  # measuring here: transformers' "longer than the maximum" warning is ours
     chat = ChatTokens(tok, use_template=cfg.episode.chat_template, system_prompt=cfg.episode.system_prompt)
-    context = context_length(cfg.model.path, cfg.generator.max_model_len)
+    context = _context_length(cfg.model.path, cfg.generator.max_model_len)
     budget = cfg.generator.max_new_tokens
     for path in [cfg.data.train, *([cfg.data.eval] if cfg.data.eval else [])]:
         lines = numbered_jsonl(path)
@@ -159,6 +163,73 @@ def check_prompt_lengths(cfg: Config) -> None:
                 f"{n + budget}, more than the model's context of {context} tokens"
                 + (f" ({more} more lines like it)" if more else "")
             )
+
+
+# tokenizer_config.json keys after which a generic fast tokenizer encodes exactly as its tokenizer.json does
+# (any other key, a chat template, add_bos_token, added tokens of its own, ... may change transformers' encoding)
+_PLAIN_KEYS = {"backend", "tokenizer_class", "model_max_length", "clean_up_tokenization_spaces"}
+_SPECIAL_KEYS = {"bos_token", "eos_token", "pad_token", "unk_token"}
+_GENERIC_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
+_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
+
+
+class _PlainTokenizer:
+    """What :class:`asyncrl.chat.ChatTokens` uses of a tokenizer without a chat template: ``encode``."""
+
+    chat_template = None
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer  # a tokenizers.Tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def plain_tokenizer(model_path: str) -> _PlainTokenizer | None:
+    """The model's ``tokenizer.json`` through the ``tokenizers`` library alone (milliseconds), where
+    transformers' ``AutoTokenizer`` would encode exactly as it does: a generic fast tokenizer class, no chat
+    template, special tokens that ``tokenizer.json`` already holds as special, no truncation or padding of its
+    own, and no other setting in ``tokenizer_config.json``; else None (the caller uses transformers)."""
+    import json
+
+    path = Path(model_path)
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("tokenizer_class") not in _GENERIC_CLASSES:
+        return None
+    if set(config) - _PLAIN_KEYS - _SPECIAL_KEYS or any((path / f).exists() for f in _TEMPLATE_FILES):
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception:  # no tokenizer.json, or one this tokenizers cannot read: transformers decides
+        return None
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    tokens = [config[k] for k in _SPECIAL_KEYS if config.get(k) is not None]
+    if not all(isinstance(t, str) and t in special for t in tokens):
+        return None
+    if tokenizer.truncation is not None or tokenizer.padding is not None:
+        return None
+    return _PlainTokenizer(tokenizer)
+
+
+def _context_length(model_path: str, max_model_len: int | None) -> int:
+    """``asyncrl.generators.engine.context_length`` from ``config.json`` where it names the model's
+    ``max_position_embeddings`` (no transformers import); that function itself otherwise, and for its error."""
+    import json
+
+    try:
+        model = json.loads((Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        model = None
+    if type(model) is int and (max_model_len is None or max_model_len <= model):
+        return model if max_model_len is None else max_model_len
+    from asyncrl.generators.engine import context_length
+
+    return context_length(model_path, max_model_len)
 
 
 def check_model_path(model: ModelConfig) -> None:

@@ -27,29 +27,68 @@ May import: the core.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncrl.net import is_loopback
-from asyncrl.weights.base import WeightPublisher, WeightSubscriber
-from asyncrl.weights.collective_bus import CollectiveWeightPublisher
-from asyncrl.weights.collective_subscriber import CollectiveWeightSubscriber
-from asyncrl.weights.memory import MemoryWeightBus, MemoryWeightPublisher, MemoryWeightSubscriber
-from asyncrl.weights.relay_bus import RelayWeightPublisher
-from asyncrl.weights.relay_subscriber import RelayWeightSubscriber
-from asyncrl.weights.shm_bus import ShmWeightPublisher, ShmWeightSubscriber
-from asyncrl.weights.shm_reclaim import remove_stale_shm
-from asyncrl.weights.wire import (
-    WIRE_HEADER,
-    WeightsRejected,
-    WeightUpdate,
-    decode,
-    encode,
-    state_dict_checksum,
-)
-from asyncrl.weights.zmq_bus import ZmqWeightPublisher, ZmqWeightSubscriber
+
+if TYPE_CHECKING:
+    from asyncrl.weights.base import WeightPublisher, WeightSubscriber
+    from asyncrl.weights.collective_bus import CollectiveWeightPublisher
+    from asyncrl.weights.collective_subscriber import CollectiveWeightSubscriber
+    from asyncrl.weights.memory import MemoryWeightBus, MemoryWeightPublisher, MemoryWeightSubscriber
+    from asyncrl.weights.relay_bus import RelayWeightPublisher
+    from asyncrl.weights.relay_subscriber import RelayWeightSubscriber
+    from asyncrl.weights.shm_bus import ShmWeightPublisher, ShmWeightSubscriber
+    from asyncrl.weights.shm_reclaim import remove_stale_shm
+    from asyncrl.weights.wire import (
+        WIRE_HEADER,
+        WeightsRejected,
+        WeightUpdate,
+        decode,
+        encode,
+        state_dict_checksum,
+    )
+    from asyncrl.weights.zmq_bus import ZmqWeightPublisher, ZmqWeightSubscriber
+
+# name -> the submodule that defines it, imported on first use (PEP 562): the transports import torch
+# (seconds), and a process that only reclaims shared memory (the launcher) or picks an address never needs it
+_LAZY = {
+    "WeightPublisher": "base",
+    "WeightSubscriber": "base",
+    "CollectiveWeightPublisher": "collective_bus",
+    "CollectiveWeightSubscriber": "collective_subscriber",
+    "MemoryWeightBus": "memory",
+    "MemoryWeightPublisher": "memory",
+    "MemoryWeightSubscriber": "memory",
+    "RelayWeightPublisher": "relay_bus",
+    "RelayWeightSubscriber": "relay_subscriber",
+    "ShmWeightPublisher": "shm_bus",
+    "ShmWeightSubscriber": "shm_bus",
+    "remove_stale_shm": "shm_reclaim",
+    "WIRE_HEADER": "wire",
+    "WeightsRejected": "wire",
+    "WeightUpdate": "wire",
+    "decode": "wire",
+    "encode": "wire",
+    "state_dict_checksum": "wire",
+    "ZmqWeightPublisher": "zmq_bus",
+    "ZmqWeightSubscriber": "zmq_bus",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # looked up once
+    return value
+
 
 __all__ = [
     "CollectiveWeightPublisher",
@@ -130,13 +169,22 @@ def setup_publisher(weights, address: str | None = None, secret: str | None = No
     address = address or (f"shm://{weights.dir}" if weights.type == "shm" else None)
     _check_scheme(weights.type, address)
     if weights.type == "memory":
+        from asyncrl.weights.memory import MemoryWeightBus
+
         return MemoryWeightBus.get(address or "memory://default", create=True, bucket_bytes=bucket_bytes).publisher()
     if weights.type == "shm":
+        from asyncrl.weights.shm_bus import ShmWeightPublisher
+
         return ShmWeightPublisher(address.removeprefix("shm://"), bucket_bytes=bucket_bytes)
     if weights.type == "zmq":
-        cls = RelayWeightPublisher if weights.relay else ZmqWeightPublisher
+        if weights.relay:
+            from asyncrl.weights.relay_bus import RelayWeightPublisher as cls
+        else:
+            from asyncrl.weights.zmq_bus import ZmqWeightPublisher as cls
         return cls(address or DEFAULT_ADDRESS, bucket_bytes=bucket_bytes, secret=secret)
     if weights.type == "nccl":
+        from asyncrl.weights.collective_bus import CollectiveWeightPublisher
+
         return CollectiveWeightPublisher(
             address or DEFAULT_ADDRESS,
             backend="nccl",
@@ -157,14 +205,24 @@ def setup_subscriber(
     receives nothing, and accepts nothing from a publisher without it."""
     _check_scheme(weights.type, address)
     if weights.type == "memory":
+        from asyncrl.weights.memory import MemoryWeightBus
+
         return MemoryWeightBus.get(address).subscriber(subscriber_id, have)
     if weights.type == "shm":
+        from asyncrl.weights.shm_bus import ShmWeightSubscriber
+
         return ShmWeightSubscriber(address, subscriber_id, have, verify=weights.verify)
     if weights.type == "zmq":
         if weights.relay:
+            from asyncrl.weights.relay_subscriber import RelayWeightSubscriber
+
             return RelayWeightSubscriber(address, subscriber_id, have, secret=secret)
+        from asyncrl.weights.zmq_bus import ZmqWeightSubscriber
+
         return ZmqWeightSubscriber(address, subscriber_id, have, secret=secret)
     if weights.type == "nccl":
+        from asyncrl.weights.collective_subscriber import CollectiveWeightSubscriber
+
         return CollectiveWeightSubscriber(
             address,
             subscriber_id,

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncrl.weights.base import log
+log = logging.getLogger("asyncrl.weights")  # base's logger; base itself imports torch
 
 DEFAULT_ROOT = "/dev/shm"
 DIR_PREFIX = "asyncrl-w-"

@@ -110,3 +110,38 @@ def test_a_generator_skips_and_counts_a_prompt_that_does_not_fit(tmp_path, tiny_
     assert skipped > 0 and len(groups) == len(seqs) - skipped and len(prompts) == 1
     assert buffer.stats()["abandoned"] == skipped  # their slots are free again
     buffer.close()
+
+
+def test_the_launchers_check_reads_tokenizer_json_as_transformers_would(tmp_path, tiny_model_dir):
+    """The launcher's prompt check (and its stale shared-memory sweep) import neither transformers nor torch
+    for a plain tokenizer (issue 28: ~3 CPU-seconds of its start-up): the ``tokenizers`` library encodes
+    every id as transformers does, and a tokenizer it cannot vouch for goes to transformers."""
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from asyncrl.data import load_jsonl, prompt_of
+    from asyncrl.run.preflight import plain_tokenizer
+
+    light, tok = plain_tokenizer(str(tiny_model_dir)), AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = [prompt_of(r) for r in load_jsonl(DEMO.parent.parent / "data" / "sort" / "train.jsonl")]
+    texts += ["<s>cba</s>=", "a <pad> b", " lead", "\n\t x", "", "ünï©ødé 漢字"]
+    for special in (True, False):
+        assert [light.encode(t, special) for t in texts] == [tok.encode(t, add_special_tokens=special) for t in texts]
+    for extra in ({"chat_template": "{{ messages }}"}, {"add_bos_token": True}):
+        other = tmp_path / next(iter(extra))
+        shutil.copytree(tiny_model_dir, other)
+        config = json.loads((other / "tokenizer_config.json").read_text())
+        (other / "tokenizer_config.json").write_text(json.dumps({**config, **extra}))
+        assert plain_tokenizer(str(other)) is None
+    code = (
+        "import sys; from asyncrl.config import load_config; from asyncrl.run.preflight import check_prompt_lengths; "
+        f"overrides = {{'model.path': {str(tiny_model_dir)!r}, 'model.recipe': None}}; "
+        f"check_prompt_lengths(load_config({str(DEMO)!r}, overrides)); "
+        "from asyncrl.weights import remove_stale_shm; remove_stale_shm(sys.argv[1]); "
+        "print(sorted({'transformers', 'torch'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stderr[-2000:]
