@@ -74,9 +74,9 @@ class EpisodeConfig(Section):
     workers: int = Field(
         4,
         ge=1,
-        description="Worker processes of a generator's pool (started as needed). Each hosts many environment "
-        "sessions; a worker's crash ends the episodes whose sessions it held, so more workers mean fewer "
-        "episodes ended per crash, at ~20 MB each.",
+        description="Worker processes of a generator's pool (started as needed), ~20 MB each. Each hosts many "
+        "environment sessions; when a worker dies, its sessions are rebuilt elsewhere by replaying their calls "
+        "(deterministic environments, docs/episodes.md), so a crash ends only the episode that caused it.",
     )
     worker_threads: int = Field(
         32,

@@ -11,12 +11,14 @@ processes and threads stay bounded whatever the code does:
   ``timeout``: no answer within ``timeout_s`` of the worker taking the call; a thread cannot be killed,
   so its worker is (SIGKILL, by pid), and a new one starts when next needed. ``crash``: the worker died
   by itself (the signal or exit code is named). ``memory``: its RSS passed ``memory_mb`` (polled every
-  :data:`MEMORY_POLL_S`) and it was killed. A crash or memory kill cannot tell which call was to
-  blame: every call on that worker gets its cause, and so does every session (a crash: every session
-  with a call in flight; one idle then is ``lost``). A timeout can; the others there are
-  collateral: a stateless call (:meth:`WorkerPool.call`) runs again on another worker within its own
-  timeout (building a session: once more), so plain tools and rewards may run twice when a neighbour's
-  hang killed their worker; a session is ``lost``, since its object died with the worker.
+  :data:`MEMORY_POLL_S`) and it was killed: every call and session there gets ``memory``. A crash has
+  suspects: its stateless calls get ``crash``; each session's step in flight runs again on a worker
+  of its own (one at a time, beyond ``workers``), a crash there its own. A timeout has a culprit; the
+  others there are collateral: a stateless call (:meth:`WorkerPool.call`) runs again on another
+  worker within its own timeout (building a session: once more), so plain tools and rewards may run
+  twice when a neighbour's hang killed their worker; a session with a call in flight is ``lost``, one
+  idle is rebuilt elsewhere at its next call by **replay** (:mod:`asyncrl.episodes.pool_sessions`):
+  its recorded calls made again, each checked to return what it did.
 * **Queueing** for a free thread never counts against a call's timeout; callers are served first come,
   first served. A call failed by its worker's death returns once that worker is reaped.
 * **Sessions** (:meth:`WorkerPool.open`) build one object in one worker and send it every method call.
@@ -56,6 +58,7 @@ import os
 import sys
 from typing import Any
 
+from asyncrl.episodes.pool_sessions import Session, Suspect, fail_sessions
 from asyncrl.episodes.pool_worker import MAX_LINE, VERSION, WorkerFault, death, rss_bytes
 from asyncrl.episodes.pool_worker import encode as _encode
 from asyncrl.errors import EpisodeFailure
@@ -111,42 +114,9 @@ class _Worker:
         return self.reserved + len(self.pending)
 
 
-class Session:
-    """An object built by :meth:`WorkerPool.open`, living in one worker; once that worker is gone every
-    call raises the fault that ended it (``lost`` when another call's hang did)."""
-
-    def __init__(self, pool: WorkerPool, worker: _Worker, kind: str, target: str):
-        self.pool, self.worker, self.kind, self.target = pool, worker, kind, target
-        self.id = next(pool._ids)
-        self.failure: tuple[str, str] | None = None
-        self.closed = False
-
-    async def call(self, method: str, args: list, *, timeout_s: float) -> Any:
-        """``getattr(obj, method)(*args)`` in the session's worker."""
-        if self.closed:
-            raise WorkerFault(self.kind, "error", f"{method} on a closed session of {self.target}")
-        message = {"op": "method", "session": self.id, "method": method, "args": list(args)}
-        return await self.pool._session_call(self, message, timeout_s)
-
-    async def close(self, *, timeout_s: float) -> None:
-        """``obj.close()`` if it has one, then forget the object; raises only for the close itself
-        (``error``, ``timeout``), never because the worker is already gone."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            if self.failure is None:
-                await self.pool._session_call(self, {"op": "close", "session": self.id}, timeout_s)
-        except WorkerFault as exc:
-            if exc.what in ("error", "timeout"):  # its close() raised or hung; else the worker was gone
-                raise
-        finally:
-            self.worker.sessions.discard(self)
-
-
 class WorkerPool:
-    """Up to ``workers`` worker processes of ``threads`` threads each, for one generator's event loop.
-    ``memory_mb`` bounds each worker's RSS; ``name`` says whose code in logs and details."""
+    """Up to ``workers`` worker processes of ``threads`` threads each (and one for a suspect), for one
+    generator's event loop. ``memory_mb`` bounds each shared worker's RSS; ``name`` names the code."""
 
     def __init__(self, *, workers: int = 4, threads: int = 32, memory_mb: int | None = None, name: str = "user code"):
         if workers < 1 or threads < 1 or (memory_mb is not None and memory_mb < 1):
@@ -157,11 +127,16 @@ class WorkerPool:
         self._tasks: set[asyncio.Task] = set()  # spawns, readers, the memory poll
         self._exits: set[asyncio.Task] = set()
         self._ids = itertools.count(1)
+        self._detached: set[Session] = set()  # sessions whose worker died, awaiting their replay
+        self._lone: _Worker | None = None  # a suspect's own, one at a time, beyond ``workers``
+        self._lone_held = False
+        self._lone_queue: collections.deque[asyncio.Future] = collections.deque()
         self._closed = False
         self._poll: asyncio.Task | None = None
         self._stats = dict.fromkeys(
             ("workers_started", "peak_workers", "peak_threads", "calls", "sessions_opened", "timeouts",
-             "crashes", "memory_kills", "lost", "retried"), 0)  # fmt: skip
+             "crashes", "memory_kills", "lost", "retried", "sessions_replayed", "replay_mismatch",
+             "replay_failed", "suspects_cleared", "suspects_blamed"), 0)  # fmt: skip
 
     # -- the API -----------------------------------------------------------------------------------
     async def call(self, target: str, args: list, kwargs: dict, *, timeout_s: float, kind: str) -> Any:
@@ -194,11 +169,8 @@ class WorkerPool:
         if another call's hang killed that worker meanwhile)."""
         retried = False
         while True:
-            try:
-                worker = await self._session_slot(kind)
-            except _Unsent:
-                continue
-            session = Session(self, worker, kind, target)
+            worker = await self._session_slot(kind)
+            session = Session(self, worker, kind, target, kwargs)
             worker.sessions.add(session)  # from now on its worker's death fails it
             message = {"op": "open", "session": session.id, "target": target, "kwargs": dict(kwargs)}
             try:
@@ -221,18 +193,19 @@ class WorkerPool:
         """Kill every worker (SIGKILL, by pid) and wait until each is reaped; calls and sessions still
         on them raise ``{kind}_lost``. Idempotent; the pool takes no calls afterwards."""
         self._closed = True
-        for worker in list(self._workers):
+        for worker in [*self._workers, *([self._lone] if self._lone else [])]:
             self._kill(worker, "lost", f"the {self.name} pool was closed")
         _release(self._waiters, len(self._waiters))
+        _release(self._lone_queue, len(self._lone_queue))
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*self._exits, return_exceptions=True)
 
     def stats(self) -> dict[str, int]:
-        """Counters since start; ``workers_alive`` and ``sessions_open`` are now."""
-        alive = len(self._workers)
-        return {**self._stats, "workers_alive": alive, "sessions_open": sum(len(w.sessions) for w in self._workers)}
+        """Counters since start; ``workers_alive`` and ``sessions_open`` (detached ones too) are now."""
+        open_ = sum(len(w.sessions) for w in self._workers) + len(self._detached)
+        return {**self._stats, "workers_alive": len(self._workers), "sessions_open": open_}
 
     # -- placing calls -------------------------------------------------------------------------------
     async def _call_slot(self, kind: str) -> _Worker:
@@ -264,7 +237,10 @@ class WorkerPool:
                 worker = min(self._workers, key=lambda w: (len(w.sessions), w.load))
             if worker.load < self.threads:
                 worker.reserved += 1
-                return await self._started(worker, kind)
+                try:
+                    return await self._started(worker, kind)
+                except _Unsent:
+                    continue
             await self._wait(worker.waiters, again)
             again = True
 
@@ -325,7 +301,7 @@ class WorkerPool:
             await worker.proc.stdin.drain()
         try:
             return await call.future
-        except (WorkerFault, _Collateral) as exc:
+        except (WorkerFault, _Collateral, Suspect) as exc:
             if worker.failure is not None and worker.exited is not None:
                 await asyncio.wait([worker.exited], timeout=REAP_WAIT_S)
             raise exc from None
@@ -350,9 +326,44 @@ class WorkerPool:
         self._wake()
 
     # -- a worker's life -----------------------------------------------------------------------------
-    def _start(self) -> _Worker:
+    async def _alone(self, kind: str) -> _Worker:
+        """A fresh worker for one suspect, a slot reserved on it, once this caller's turn comes (first
+        come, first served; waiting is free); :meth:`_alone_done` kills it and ends the turn."""
+        loop = asyncio.get_running_loop()
+        while self._lone_held:
+            waiter = loop.create_future()
+            self._lone_queue.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                with contextlib.suppress(ValueError):
+                    self._lone_queue.remove(waiter)
+                if waiter.done() and not waiter.cancelled():
+                    _release(self._lone_queue, 1)  # released, then cancelled: the next one's turn
+                raise
+        self._check_open(kind)
+        self._lone_held = True
+        self._lone = self._start(shared=False)
+        self._lone.reserved += 1
+        try:
+            return await self._started(self._lone, kind)
+        except BaseException as exc:
+            self._alone_done(None)
+            if isinstance(exc, _Unsent):
+                raise WorkerFault(kind, "crash", "a worker for a suspect alone died before its first call") from None
+            raise
+
+    def _alone_done(self, session: Session | None) -> None:
+        if self._lone is not None:
+            self._lone.sessions.discard(session)
+            self._kill(self._lone, "lost", f"a suspect of {self.name} ran alone on this worker")
+        self._lone, self._lone_held = None, False
+        _release(self._lone_queue, 1)
+
+    def _start(self, shared: bool = True) -> _Worker:
         worker = _Worker(asyncio.get_running_loop())
-        self._workers.append(worker)
+        if shared:
+            self._workers.append(worker)
         self._stats["workers_started"] += 1
         self._stats["peak_workers"] = max(self._stats["peak_workers"], len(self._workers))
         self._track(self._spawn(worker))
@@ -426,7 +437,7 @@ class WorkerPool:
     def _kill(self, worker: _Worker, what: str, detail: str, culprit: int | None = None) -> None:
         """End ``worker`` (SIGKILL, by pid) and fail what it held: the culprit's call (when known) and,
         for a crash or memory kill, everything with ``what``; after a timeout, a stateless neighbour
-        as :class:`_Collateral` and a neighbouring session as ``lost``."""
+        as :class:`_Collateral` and a neighbouring session as ``lost`` (or replayed, idle)."""
         if worker.failure is not None:
             return
         worker.failure = (what, detail)
@@ -443,21 +454,14 @@ class WorkerPool:
             log.warning("%s: %s", self.name, detail)
         guilty = worker.pending.get(culprit)
         hung = "session's step" if guilty is not None and guilty.session is not None else "call"
-        busy = {call.session for call in worker.pending.values()}  # a crash is one of theirs, if any
-        for session in worker.sessions:
-            if what == "timeout" and (guilty is None or session is not guilty.session):
-                session.failure = ("lost", f"its worker was killed after another {hung} hung: {detail}")
-            elif what == "crash" and session not in busy:  # idle when its worker died: innocent
-                session.failure = ("lost", f"its worker died during another session's call: {detail}")
-            else:
-                session.failure = (what, detail)
-                continue
-            self._stats["lost"] += 1
+        suspects = fail_sessions(worker, what, detail, guilty.session if guilty is not None else None, hung)
         for call in worker.pending.values():
             call.timer.cancel()
             if call.future.done():
                 continue
-            if call is guilty or what != "timeout":
+            if call.session in suspects:
+                call.future.set_exception(Suspect(detail))
+            elif call is guilty or what != "timeout":
                 call.future.set_exception(WorkerFault(call.kind, what, detail))
             elif call.session is not None:
                 call.future.set_exception(WorkerFault(call.kind, *call.session.failure))

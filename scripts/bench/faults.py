@@ -4,8 +4,8 @@ Each scenario is an ``asyncrl launch`` of a demo with misbehaving plain code fro
 
 * ``hang-reward``: the sort demo, its reward hanging 60 s on 5% of prompts, ``episode.reward_timeout_s=3``;
 * ``calc``: demo-calc, its calculator (plain) hanging on 10% and raising on 10% of calls;
-* ``abort``: demo-guess, its environment (plain) calling ``os.abort()`` on 5% of steps, one worker
-  process per episode in flight (``episode.workers=64``: a crash ends only its own episode).
+* ``abort``: demo-guess, its environment (plain) calling ``os.abort()`` on 5% of steps, with the
+  default 4 worker processes (the other sessions of a crashed worker are replayed elsewhere).
 
 For each it prints the versions reached of those asked, failures by cause, the buffer's ``lost``, the
 generator restarts and the peak thread and child-process counts of any generator process:
@@ -34,11 +34,7 @@ SCENARIOS = {
         ["data.reward=faulty:hanging_sort_reward", "episode.reward_timeout_s=3"],
     ),
     "calc": ("configs/demo-calc.yaml", ["episode.tools=[faulty:flaky_calc]", "episode.tool_timeout_s=3"]),
-    # a crash ends every episode whose session its worker held: one worker per episode in flight (64)
-    "abort": (
-        "configs/demo-guess.yaml",
-        ["episode.function=faulty:AbortingGuessEnv", "episode.options={share: 0.05}", "episode.workers=64"],
-    ),
+    "abort": ("configs/demo-guess.yaml", ["episode.function=faulty:AbortingGuessEnv", "episode.options={share: 0.05}"]),
 }
 
 

@@ -92,3 +92,28 @@ class AsyncCounter:
 
     async def get(self):
         return await self.queue.get()
+
+
+class Tally:
+    """A deterministic Env-like object (its results are a function of its calls): replayable."""
+
+    def __init__(self, start: int = 0):
+        self.total = start
+
+    def step(self, n: int) -> int:
+        self.total += n
+        return self.total
+
+    def slow_step(self, n: int, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.step(n)
+
+    def abort(self):
+        os.abort()
+
+
+class Clock:
+    """Not a function of its calls: each step returns the time, so a replay never matches."""
+
+    def step(self) -> int:
+        return time.monotonic_ns()

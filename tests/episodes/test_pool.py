@@ -15,6 +15,7 @@ import pool_targets
 import pytest
 
 from asyncrl.episodes import pool as pool_module
+from asyncrl.episodes import pool_sessions
 from asyncrl.episodes.pool import WorkerFault, WorkerPool
 from asyncrl.episodes.user_code import target_of
 from asyncrl.errors import EpisodeFailure
@@ -146,10 +147,12 @@ def test_hung_calls_on_one_worker_each_end_as_timeout_and_neighbours_are_run_unt
 def test_a_worker_that_dies_is_a_crash(target, args, says):
     async def test(pool):
         session = await pool.open(T + "Counter", {}, timeout_s=WAIT_S)
+        await session.call("step", [1], timeout_s=WAIT_S)  # answers its worker's pid: a replay cannot match
         crash = await fault(pool.call(T + target, args, {}, timeout_s=WAIT_S, kind="reward"))
         assert crash.cause == "reward_crash" and says in crash.detail
         held = await fault(session.call("step", [1], timeout_s=WAIT_S))  # idle, it died with the worker
         assert held.cause == "env_lost" and "during another session's call" in held.detail and says in held.detail
+        assert "call 1 of 1 (step) returned something else" in held.detail
         await session.close(timeout_s=WAIT_S)  # never raises for a dead worker
         assert await pool.call(T + "add_later", [1, 1], {}, timeout_s=WAIT_S, kind="reward") == 2
         assert pool.stats()["crashes"] == 1
@@ -272,6 +275,7 @@ def test_a_neighbours_hang_loses_a_session():
     async def test(pool):
         hung = await pool.open(T + "Counter", {}, timeout_s=WAIT_S)
         idle = await pool.open(T + "Counter", {}, timeout_s=WAIT_S)
+        await idle.call("step", [1], timeout_s=WAIT_S)  # answers its worker's pid: a replay cannot match
         timeout = await fault(hung.call("hang", [], timeout_s=0.5))
         assert timeout.cause == "env_timeout"
         lost = await fault(idle.call("step", [1], timeout_s=WAIT_S))
@@ -281,7 +285,164 @@ def test_a_neighbours_hang_loses_a_session():
         await idle.close(timeout_s=WAIT_S)
         fresh = await pool.open(T + "Counter", {"start": 1}, timeout_s=WAIT_S)
         assert (await fresh.call("step", [1], timeout_s=WAIT_S))[0] == 2
-        assert pool.stats()["lost"] == 1
+        stats = pool.stats()
+        assert (stats["lost"], stats["replay_mismatch"], stats["sessions_replayed"]) == (1, 1, 0)
+
+    in_pool(test, workers=1)
+
+
+# ----- replaying an innocent session onto another worker ----------------------------------------
+
+
+def test_an_idle_session_outlives_its_workers_crash_by_replay():
+    """Two sessions on one worker; one aborts it: the culprit fails ``env_crash``, the idle one is
+    rebuilt on a new worker from its recorded calls and goes on as if nothing happened."""
+
+    async def test(pool):
+        culprit = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)
+        idle = await pool.open(T + "Tally", {"start": 10}, timeout_s=WAIT_S)
+        assert [await idle.call("step", [n], timeout_s=WAIT_S) for n in (1, 2, 3)] == [11, 13, 16]
+        crash = await fault(culprit.call("abort", [], timeout_s=WAIT_S))  # a suspect, it crashes alone again
+        assert crash.cause == "env_crash" and "died of SIGABRT" in crash.detail
+        assert "abort call in flight" in crash.detail and "run again on a worker of its own" in crash.detail
+        assert pool.stats()["sessions_open"] == 1  # the idle one, detached, is still open; the culprit is not
+        assert await idle.call("step", [4], timeout_s=WAIT_S) == 20  # what an uncrashed Tally answers
+        assert await idle.call("step", [5], timeout_s=WAIT_S) == 25
+        assert (await fault(culprit.call("step", [1], timeout_s=WAIT_S))).cause == "env_crash"
+        stats = pool.stats()
+        assert (stats["crashes"], stats["suspects_blamed"], stats["sessions_replayed"], stats["lost"]) == (2, 1, 1, 0)
+        assert stats["workers_started"] == 3  # the shared one, the culprit's own, the shared one's replacement
+
+        crash = await fault(idle.call("abort", [], timeout_s=WAIT_S))  # replayed, its own crash is its own
+        assert crash.cause == "env_crash"
+        await idle.close(timeout_s=WAIT_S)
+        await culprit.close(timeout_s=WAIT_S)
+        assert pool.stats()["sessions_open"] == 0
+
+    in_pool(test, workers=1)
+
+
+def test_a_step_in_flight_at_a_crash_runs_again_alone_and_goes_on():
+    """A crash has suspects: every session with a step in flight. Each runs again, after its replay,
+    on a worker of its own: the culprit crashes that one too (``env_crash``), the innocent answers."""
+
+    async def test(pool):
+        culprit = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)
+        busy = await pool.open(T + "Tally", {"start": 5}, timeout_s=WAIT_S)
+        assert await busy.call("step", [1], timeout_s=WAIT_S) == 6
+        slow = asyncio.ensure_future(busy.call("slow_step", [2, 1.0], timeout_s=WAIT_S))
+        await asyncio.sleep(0.3)  # in flight when its worker dies
+        crash = await fault(culprit.call("abort", [], timeout_s=WAIT_S))
+        assert crash.cause == "env_crash" and "run again on a worker of its own" in crash.detail
+        assert await slow == 8  # run again alone after its replay: what an uncrashed Tally answers
+        assert await busy.call("step", [3], timeout_s=WAIT_S) == 11  # replayed once more, on a shared worker
+        stats = pool.stats()
+        assert (stats["suspects_cleared"], stats["suspects_blamed"], stats["sessions_replayed"]) == (1, 1, 1)
+        assert (stats["crashes"], stats["lost"], stats["workers_alive"]) == (2, 0, 1)
+
+    in_pool(test, workers=1)
+
+
+def test_suspects_run_alone_one_at_a_time_and_one_cancelled_waiting_holds_no_one_up():
+    async def test(pool):
+        first, second, culprit = [await pool.open(T + "Tally", {}, timeout_s=WAIT_S) for _ in range(3)]
+        steps = [asyncio.ensure_future(s.call("slow_step", [1, 1.0], timeout_s=WAIT_S)) for s in (first, second)]
+        await asyncio.sleep(0.3)
+        crash = asyncio.ensure_future(fault(culprit.call("abort", [], timeout_s=WAIT_S)))
+        await asyncio.sleep(0.5)  # the first suspect runs alone, the others wait their turn
+        steps[1].cancel()
+        assert await steps[0] == 1
+        assert (await crash).cause == "env_crash"
+        with pytest.raises(asyncio.CancelledError):
+            await steps[1]
+        stats = pool.stats()
+        assert (stats["suspects_cleared"], stats["suspects_blamed"], stats["peak_workers"]) == (1, 1, 1)
+        fresh = await pool.open(T + "Tally", {"start": 1}, timeout_s=WAIT_S)
+        assert await fresh.call("step", [1], timeout_s=WAIT_S) == 2
+
+    in_pool(test, workers=1)
+
+
+def test_a_replay_whose_new_worker_crashes_under_it_is_replayed_again():
+    async def test(pool):
+        first = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)
+        idle = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)
+        assert await idle.call("slow_step", [1, 1.0], timeout_s=WAIT_S) == 1  # its replay takes a second
+        assert (await fault(first.call("abort", [], timeout_s=WAIT_S))).cause == "env_crash"
+        second = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)  # on the replacement worker
+        replayed = asyncio.ensure_future(idle.call("step", [1], timeout_s=WAIT_S))  # replayed there too
+        await asyncio.sleep(0.4)
+        assert (await fault(second.call("abort", [], timeout_s=WAIT_S))).cause == "env_crash"
+        assert await replayed == 2  # its replay crashed under it: replayed on a third worker
+        stats = pool.stats()
+        assert (stats["sessions_replayed"], stats["lost"], stats["suspects_blamed"]) == (1, 0, 2)
+        assert stats["workers_started"] == 5  # two shared ones crashed, each culprit's own, the third shared one
+
+    in_pool(test, workers=1)
+
+
+def test_an_idle_session_is_replayed_after_a_neighbours_hang_and_closes_unreplayed():
+    async def test(pool):
+        hung = await pool.open(T + "Counter", {}, timeout_s=WAIT_S)
+        idle = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)
+        never = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)
+        assert await idle.call("step", [2], timeout_s=WAIT_S) == 2
+        assert (await fault(hung.call("hang", [], timeout_s=0.5))).cause == "env_timeout"
+        assert await idle.call("step", [2], timeout_s=WAIT_S) == 4
+        await never.close(timeout_s=WAIT_S)  # detached: nothing to close, nothing replayed
+        stats = pool.stats()
+        assert (stats["timeouts"], stats["sessions_replayed"], stats["lost"], stats["sessions_open"]) == (1, 1, 0, 1)
+
+    in_pool(test, workers=1)
+
+
+def test_a_session_whose_replay_differs_is_lost():
+    async def test(pool):
+        culprit = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)
+        clock = await pool.open(T + "Clock", {}, timeout_s=WAIT_S)
+        await clock.call("step", [], timeout_s=WAIT_S)
+        assert (await fault(culprit.call("abort", [], timeout_s=WAIT_S))).cause == "env_crash"
+        lost = await fault(clock.call("step", [], timeout_s=WAIT_S))
+        assert lost.cause == "env_lost" and "during another session's call" in lost.detail
+        assert "replaying its calls on another worker failed: its call 1 of 1 (step) returned" in lost.detail
+        assert (await fault(clock.call("step", [], timeout_s=WAIT_S))).cause == "env_lost"
+        await clock.close(timeout_s=WAIT_S)  # its rebuilt object was closed in the new worker already
+        stats = pool.stats()
+        assert (stats["replay_mismatch"], stats["sessions_replayed"], stats["lost"]) == (1, 0, 1)
+        assert stats["sessions_open"] == 0
+
+    in_pool(test, workers=1)
+
+
+def test_a_session_past_the_replay_cap_is_lost_and_one_at_it_is_replayed():
+    cap = pool_sessions.REPLAY_CALLS
+
+    async def test(pool):
+        culprit = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)
+        at_cap = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)
+        past_cap = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)
+        for _ in range(cap):
+            await at_cap.call("step", [1], timeout_s=WAIT_S)
+            await past_cap.call("step", [1], timeout_s=WAIT_S)
+        await past_cap.call("step", [1], timeout_s=WAIT_S)
+        assert (await fault(culprit.call("abort", [], timeout_s=WAIT_S))).cause == "env_crash"
+        assert await at_cap.call("step", [1], timeout_s=WAIT_S) == cap + 1  # replayed: cap calls
+        lost = await fault(past_cap.call("step", [1], timeout_s=WAIT_S))
+        assert lost.cause == "env_lost" and f"not replayed: its record passed {cap} calls" in lost.detail
+        stats = pool.stats()
+        assert (stats["sessions_replayed"], stats["lost"]) == (1, 1)
+
+    in_pool(test, workers=1)
+
+
+def test_a_session_whose_call_raised_is_not_replayed():
+    async def test(pool):
+        culprit = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)
+        broken = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)
+        assert (await fault(broken.call("step", ["x"], timeout_s=WAIT_S))).cause == "env_error"  # int + str
+        assert (await fault(culprit.call("abort", [], timeout_s=WAIT_S))).cause == "env_crash"
+        lost = await fault(broken.call("step", [1], timeout_s=WAIT_S))
+        assert lost.cause == "env_lost" and "not replayed: its step call raised" in lost.detail
 
     in_pool(test, workers=1)
 
