@@ -32,6 +32,11 @@ key                 type                  contents
                                           released (moved with the admission, push or release)
 ``P admissions``    stream                one entry per admitted group: ``seq``, ``live`` (groups holding
                                           a slot after it), ``limit``; about the newest 200k kept
+``P journals``      hash                  group seq -> the generator whose episodes it journals ('' for an
+                                          orphan: its generator died, another will resume it)
+``P journal:<seq>`` hash                  a group's journal: episode index -> its state after its last
+                                          completed turn (JSON, ``asyncrl.generators.journal``)
+``P orphans``       list                  seqs of orphaned groups, oldest first (``Buffer.take_orphan``)
 ``P members:<role>``zset                  live processes of ``role``: id -> when its lease expires
                                           (Redis server time); the fleet is what has not expired
 ``P leases:<role>`` hash                  id -> the token of the process holding that id's lease
@@ -75,6 +80,11 @@ class RunKeys:
         self.metrics = self.prefix + "metrics"
         self.stop = self.prefix + "stop"
         self.admissions = self.prefix + "admissions"
+        self.journals = self.prefix + "journals"
+        self.orphans = self.prefix + "orphans"
+
+    def journal(self, seq: int | str) -> str:
+        return f"{self.prefix}journal:{seq}"
 
     def once(self, token: str) -> str:
         return f"{self.prefix}once:{token}"

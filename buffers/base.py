@@ -6,6 +6,8 @@ Who calls what:
   :meth:`Buffer.push` with the encoded group, or :meth:`Buffer.release` if the group is abandoned,
   each naming the generator as ``producer``;
 * the launcher: :meth:`Buffer.release_held` for a generator that died (or every one, on a resume);
+* generators whose episodes can outlive them (an environment in ``asyncrl env-serve``): :meth:`Buffer.journal`
+  after each turn, and :meth:`Buffer.take_orphan` to resume the groups of a generator that died;
 * learner ranks, through :class:`asyncrl.buffers.consumer.BatchConsumer`: :meth:`Buffer.read`
   (each entry is delivered to exactly one consumer), then one outcome per entry:
   :meth:`Buffer.ack` with ``trained`` once the checkpoint that includes its update is committed,
@@ -28,6 +30,11 @@ memory buffer; threads and processes for Redis):
   release of it, in the same atomic step as the admission, push or release; so a producer that
   dies at any instant holds exactly the groups it will never push, and :meth:`release_held` gives
   their slots back, no more and no fewer.
+* **journals**: a group may keep a journal (its episodes' states, by part) while its producer holds
+  it; its push or release ends the journal in the same atomic step. When its producer dies, a
+  journaled group becomes an *orphan* instead of being given back: its slot stays taken (it is
+  still unfinished) until a generator takes it (:meth:`take_orphan`, which makes it that
+  generator's) and pushes or releases it.
 * **at most one append per group id**: a second push of the same id is a no-op that returns False.
 * **exactly-one delivery**: an entry returned by :meth:`read` to one consumer is never returned by
   :meth:`read` to another; it stays *pending* until acknowledged (:meth:`pending` gives a restarted
@@ -59,6 +66,7 @@ COUNTER_KEYS = (
     "filtered",  # groups acknowledged unused: dynamic filtering, e.g. zero reward variance (slots given back)
     "dead",  # frames acknowledged onto the dead-letter stream (slots given back)
     "replayed",  # extra trainings of a group beyond its first (each takes a slot)
+    "resumed",  # orphaned groups (a journal, their producer dead) taken over by another generator
     "foreign",  # entries push() never appended (a raw write to the stream, a copy of a pushed group id):
     # dead-lettered when read, counted only here; they never take or give back an admission slot
 )
@@ -170,29 +178,53 @@ class Buffer(ABC):
         """
 
     @abstractmethod
-    def push(self, group_id: str, frame: bytes, producer: str = "unknown") -> bool:
+    def push(self, group_id: str, frame: bytes, producer: str = "unknown", seq: int | None = None) -> bool:
         """Append one encoded group; False (and no append) if ``group_id`` was pushed before.
 
         A retried push after a lost reply returns False although the first attempt appended, so
         False means "this group is in the buffer already", never "this group was lost".
         ``producer`` names the sender in dead letters and ``asyncrl status``; the append ends one
-        of the groups it holds.
+        of the groups it holds, and the journal of group ``seq`` if it kept one.
         """
 
     @abstractmethod
     def release(
-        self, n: int = 1, token: str | None = None, reason: str = "abandoned", producer: str | None = None
+        self,
+        n: int = 1,
+        token: str | None = None,
+        reason: str = "abandoned",
+        producer: str | None = None,
+        seq: int | None = None,
     ) -> None:
         """``n`` admitted groups will never be pushed: give their admission slots back, counted as
         ``reason``: ``abandoned`` (a too-long prompt, shutdown, a dead generator) or ``failed`` (their
         episodes failed). Without this, every such group shrinks the admission window for the rest
-        of the run. With a ``producer``, they are groups it holds. Idempotent per ``token``."""
+        of the run. With a ``producer``, they are groups it holds; with ``seq`` (``n`` = 1), the
+        journal of that group ends too. Idempotent per ``token``."""
 
     @abstractmethod
-    def release_held(self, producer: str | None = None) -> int:
+    def release_held(self, producer: str | None = None, *, resume: bool = False, reaped: int | None = None) -> int:
         """Give back, as ``abandoned``, the slots of every group ``producer`` holds (None: every
-        producer's), atomically: it died, or the run resumes without it. Returns how many (0 on a
-        retry whose first attempt's reply was lost: it gave them back)."""
+        producer's, and every orphan unless ``resume``), atomically: it died, or the run resumes
+        without it. With ``resume``, its journaled groups become orphans instead (their slots stay
+        taken) for :meth:`take_orphan`. ``reaped``: the fleet's reaper took ``producer``'s held
+        count already (``RunControl.reap``), and it is this many. Returns how many were given back
+        (0 on a retry whose first attempt's reply was lost: it gave them back)."""
+
+    @abstractmethod
+    def journal(self, seq: int, part: str, state: bytes, producer: str) -> bool:
+        """Keep ``state`` as ``part`` of group ``seq``'s journal (replacing that part), for the group's
+        producer; False, keeping nothing, if another generator took the group (it is no longer
+        ``producer``'s: it stalled past its lease, its groups were orphaned)."""
+
+    @abstractmethod
+    def take_orphan(self, producer: str) -> tuple[int, dict[str, bytes]] | None:
+        """The oldest orphan, now held by ``producer`` (counted ``resumed``), with its journal
+        (part -> state); None when there is none."""
+
+    @abstractmethod
+    def orphans(self) -> int:
+        """Orphaned groups waiting for a generator (a gauge)."""
 
     # ----- learner ranks ----------------------------------------------------------------------
 

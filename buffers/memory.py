@@ -48,6 +48,8 @@ class MemoryBuffer(Buffer):
         self._dead: collections.deque[DeadLetter] = collections.deque(maxlen=DEAD_MAX_ENTRIES)
         self._version = 0
         self._held: collections.Counter[str] = collections.Counter()  # producer -> groups it holds
+        self._journals: dict[int, tuple[str, dict[str, bytes]]] = {}  # seq -> (owner, '' for an orphan; parts)
+        self._orphans: collections.deque[int] = collections.deque()
 
     # ----- generators -------------------------------------------------------------------------
 
@@ -73,8 +75,9 @@ class MemoryBuffer(Buffer):
                 self._once[token] = seq
             return None if seq < 0 else seq
 
-    def push(self, group_id: str, frame: bytes, producer: str = "unknown") -> bool:
+    def push(self, group_id: str, frame: bytes, producer: str = "unknown", seq: int | None = None) -> bool:
         with self._cond:
+            self._journals.pop(seq, None)
             if group_id in self._seen:
                 self._counters["duplicates"] += 1
                 return False
@@ -89,17 +92,64 @@ class MemoryBuffer(Buffer):
             return True
 
     def release(
-        self, n: int = 1, token: str | None = None, reason: str = "abandoned", producer: str | None = None
+        self,
+        n: int = 1,
+        token: str | None = None,
+        reason: str = "abandoned",
+        producer: str | None = None,
+        seq: int | None = None,
     ) -> None:
         check_release_reason(reason)
+        with self._cond:
+            self._journals.pop(seq, None)
         self._count_once(reason, n, token, producer)
 
-    def release_held(self, producer: str | None = None) -> int:
+    def release_held(self, producer: str | None = None, *, resume: bool = False, reaped: int | None = None) -> int:
         with self._cond:
-            producers = list(self._held) if producer is None else [producer]
-            n = sum(self._held.pop(p, 0) for p in producers)
+            if reaped is not None:
+                n = reaped
+            else:
+                producers = list(self._held) if producer is None else [producer]
+                n = sum(self._held.pop(p, 0) for p in producers)
+            for seq, (owner, parts) in list(self._journals.items()):
+                if owner == "":
+                    if producer is None and not resume:  # nobody will resume it
+                        del self._journals[seq]
+                        n += 1
+                elif producer is None or owner == producer:
+                    if resume and n > 0:
+                        self._journals[seq] = ("", parts)
+                        self._orphans.append(seq)
+                        n -= 1
+                    else:
+                        del self._journals[seq]
             self._counters["abandoned"] += n
             return n
+
+    def journal(self, seq: int, part: str, state: bytes, producer: str) -> bool:
+        with self._cond:
+            owner, parts = self._journals.get(seq, (producer, {}))
+            if owner != producer:
+                return False
+            parts[str(part)] = bytes(state)
+            self._journals[seq] = (owner, parts)
+            return True
+
+    def take_orphan(self, producer: str) -> tuple[int, dict[str, bytes]] | None:
+        with self._cond:
+            while self._orphans:
+                seq = self._orphans.popleft()
+                owner, parts = self._journals.get(seq, (None, {}))
+                if owner == "":
+                    self._journals[seq] = (producer, parts)
+                    self._held[producer] += 1
+                    self._counters["resumed"] += 1
+                    return seq, dict(parts)
+            return None
+
+    def orphans(self) -> int:
+        with self._cond:
+            return sum(owner == "" for owner, _ in self._journals.values())
 
     def record_replays(self, n: int, token: str | None = None) -> None:
         self._count_once("replayed", n, token)

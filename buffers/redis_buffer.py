@@ -35,6 +35,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from asyncrl.buffers import redis_scripts as scripts
 from asyncrl.buffers.base import (
     COUNTER_KEYS,
     DEAD_FRAME_MAX_BYTES,
@@ -42,8 +43,6 @@ from asyncrl.buffers.base import (
     IDEMPOTENCY_TTL_S,
     OUTCOMES,
     SEEN_WINDOW,
-    SLOT_RETURNERS,
-    SLOT_TAKERS,
     Buffer,
     BufferUnavailableError,
     DeadLetter,
@@ -63,149 +62,6 @@ GROUP = "learners"
 _MAX_BLOCK_MS = 20_000
 _SOCKET_TIMEOUT_S = 30.0
 ADMISSION_RECORDS = 200_000  # about this many of the newest admissions are kept (a few MB)
-
-# KEYS: counters, once-token, admissions, held. ARGV: limit, ttl, records kept, producer ('' for
-# none: nobody holds the group). Returns the new group's sequence number, or -1 when refused; a retry
-# with the same token returns the first answer without counting again. ``live`` is
-# base.live_groups, spelled in Lua from the same SLOT_TAKERS / SLOT_RETURNERS tuples. Every admission
-# is recorded (its sequence number, the groups holding a slot after it, and the limit it was judged
-# against), so a run's history can be checked afterwards.
-_ADMIT = """
-local prev = redis.call('GET', KEYS[2])
-if prev then return tonumber(prev) end
-local takers = redis.call('HMGET', KEYS[1], {takers})
-local returners = redis.call('HMGET', KEYS[1], {returners})
-local live = 0
-for _, v in ipairs(takers) do live = live + (tonumber(v) or 0) end
-for _, v in ipairs(returners) do live = live - (tonumber(v) or 0) end
-local seq = -1
-if live < tonumber(ARGV[1]) then
-  seq = tonumber(redis.call('HGET', KEYS[1], 'started')) or 0
-  redis.call('HINCRBY', KEYS[1], 'started', 1)
-  if ARGV[4] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[4], 1) end
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'seq', seq, 'live', live + 1, 'limit', ARGV[1])
-end
-redis.call('SET', KEYS[2], seq, 'EX', ARGV[2])
-return seq
-""".format(
-    takers=", ".join(f"'{k}'" for k in SLOT_TAKERS),
-    returners=", ".join(f"'{k}'" for k in SLOT_RETURNERS),
-)
-
-# Lua: the producer ARGV[i] holds n fewer groups in KEYS[k] (never below none: a reaped one's were taken).
-_UNHOLD = """
-local function unhold(key, producer, n)
-  local left = (tonumber(redis.call('HGET', key, producer)) or 0) - n
-  if left > 0 then redis.call('HSET', key, producer, left) else redis.call('HDEL', key, producer) end
-end
-"""
-
-# KEYS: counters, once-token, held. ARGV: field, n, ttl, producer ('' for none). Adds n to a counter
-# once per token; the producer's n groups are no longer held.
-_INCR_ONCE = f"""{_UNHOLD}
-if redis.call('SET', KEYS[2], 1, 'NX', 'EX', ARGV[3]) then
-  redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2])
-  if ARGV[4] ~= '' then unhold(KEYS[3], ARGV[4], tonumber(ARGV[2])) end
-end
-return 0
-"""
-
-# KEYS: counters, held. ARGV: producer ('' for every producer). Counts the groups held as abandoned
-# and holds none; returns how many.
-_RELEASE_HELD = """
-local n = 0
-if ARGV[1] == '' then
-  local all = redis.call('HGETALL', KEYS[2])
-  for i = 2, #all, 2 do n = n + tonumber(all[i]) end
-  redis.call('DEL', KEYS[2])
-else
-  n = tonumber(redis.call('HGET', KEYS[2], ARGV[1])) or 0
-  redis.call('HDEL', KEYS[2], ARGV[1])
-end
-if n > 0 then redis.call('HINCRBY', KEYS[1], 'abandoned', n) end
-return n
-"""
-
-# KEYS: seen, traj, counters, unacked, held. ARGV: group id, seen window, producer. Runs in one
-# MULTI/EXEC right after the XADD of the group, so the newest entry of traj is that XADD's: 1 if it
-# stays (counted, its group id marked unacked: that is what tells it from a foreign entry, and no
-# longer held by its producer), 0 if the id is a duplicate
-# and the entry is deleted again (only then is the frame copied into Lua). Refuses before changing
-# anything if traj is not a stream (the XADD failed with WRONGTYPE). The seen set keeps the newest ids
-# only (scored by the pushed counter).
-_PUSH = f"""{_UNHOLD}
-if redis.call('TYPE', KEYS[2]).ok ~= 'stream' then return redis.error_reply('ERR traj is not a stream') end
-local order = (tonumber(redis.call('HGET', KEYS[3], 'pushed')) or 0) + 1
-if redis.call('ZADD', KEYS[1], 'NX', order, ARGV[1]) == 0 then
-  local newest = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
-  redis.call('XDEL', KEYS[2], newest[1])
-  redis.call('HINCRBY', KEYS[3], 'duplicates', 1)
-  return 0
-end
-redis.call('HINCRBY', KEYS[3], 'pushed', 1)
-redis.call('HSET', KEYS[4], ARGV[1], 1)
-unhold(KEYS[5], ARGV[3], 1)
-local excess = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[2])
-if excess > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, excess - 1) end
-return 1
-"""
-
-# KEYS: unacked. ARGV: (entry id, group id) pairs of entries just delivered. The first entry
-# delivered with a pushed group id claims it (push() appended the real one before any copy could
-# follow it in the stream); returns 1 per entry that holds its group id's claim, 0 for a foreign one.
-# Idempotent: an entry delivered again (a restarted consumer's pending entries) keeps its claim.
-_CLAIM = """
-local out = {}
-for i = 1, #ARGV, 2 do
-  local mark = redis.call('HGET', KEYS[1], ARGV[i + 1])
-  if mark == '1' then
-    redis.call('HSET', KEYS[1], ARGV[i + 1], ARGV[i])
-    mark = ARGV[i]
-  end
-  out[#out + 1] = (mark == ARGV[i]) and 1 or 0
-end
-return out
-"""
-
-# KEYS: traj, counters, unacked. ARGV: consumer group, counter, then (entry id, group id) pairs.
-# Deletes only what XACK acknowledged, so an id that was never delivered (or is unknown) cannot make
-# a queued entry disappear, and an acknowledgement retried after a lost reply counts nothing twice.
-# An entry counts as ``counter`` only if it holds its group id's claim (_CLAIM); otherwise it is
-# foreign. Returns the entries counted as ``counter``.
-_ACK = """
-local n, foreign = 0, 0
-for i = 3, #ARGV, 2 do
-  if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
-    redis.call('XDEL', KEYS[1], ARGV[i])
-    if redis.call('HGET', KEYS[3], ARGV[i + 1]) == ARGV[i] then
-      redis.call('HDEL', KEYS[3], ARGV[i + 1])
-      n = n + 1
-    else
-      foreign = foreign + 1
-    end
-  end
-end
-if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[2], n) end
-if foreign > 0 then redis.call('HINCRBY', KEYS[2], 'foreign', foreign) end
-return n
-"""
-
-# KEYS: traj, counters, dead, unacked. ARGV: consumer group, entry id, group id, reason, producer,
-# size, frame head, dead-letter cap. Acknowledges the entry and keeps the letter; returns 1 (counted
-# dead), 2 (foreign) or 0 (acknowledged already: nothing done).
-_DEAD = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('XDEL', KEYS[1], ARGV[2])
-local outcome = 2
-if redis.call('HGET', KEYS[4], ARGV[3]) == ARGV[2] then
-  redis.call('HDEL', KEYS[4], ARGV[3])
-  outcome = 1
-end
-redis.call('HINCRBY', KEYS[2], outcome == 1 and 'dead' or 'foreign', 1)
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*',
-  'reason', ARGV[4], 'producer', ARGV[5], 'size', ARGV[6], 'frame', ARGV[7])
-return outcome
-"""
 
 
 def _retrying(method):
@@ -259,12 +115,14 @@ class RedisBuffer(Buffer):
             health_check_interval=30,
         )
         self.keys = RunKeys(self.prefix)
-        self._admit = self._r.register_script(_ADMIT)
-        self._ack = self._r.register_script(_ACK)
-        self._claim = self._r.register_script(_CLAIM)
-        self._dead = self._r.register_script(_DEAD)
-        self._incr_once = self._r.register_script(_INCR_ONCE)
-        self._release_held = self._r.register_script(_RELEASE_HELD)
+        self._admit = self._r.register_script(scripts.ADMIT)
+        self._ack = self._r.register_script(scripts.ACK)
+        self._claim = self._r.register_script(scripts.CLAIM)
+        self._dead = self._r.register_script(scripts.DEAD)
+        self._incr_once = self._r.register_script(scripts.INCR_ONCE)
+        self._release_held = self._r.register_script(scripts.RELEASE_HELD)
+        self._journal = self._r.register_script(scripts.JOURNAL)
+        self._take_orphan = self._r.register_script(scripts.TAKE_ORPHAN)
         try:
             self._ensure_group()
         except redis.AuthenticationError as exc:
@@ -305,26 +163,52 @@ class RedisBuffer(Buffer):
         return [(int(f[b"seq"]), int(f[b"live"]), int(f[b"limit"])) for _, f in rows]
 
     @_retrying
-    def push(self, group_id: str, frame: bytes, producer: str = "unknown") -> bool:
+    def push(self, group_id: str, frame: bytes, producer: str = "unknown", seq: int | None = None) -> bool:
         pipe = self._r.pipeline(transaction=True)  # MULTI/EXEC, one round trip
         pipe.xadd(self.keys.traj, {"gid": group_id, "producer": producer, "frame": frame})
         # EVAL, not EVALSHA: after a server restart EVALSHA would fail with NOSCRIPT inside EXEC,
         # after the XADD had run. The script body costs ~1 KB per push next to a ~100 KB frame.
         keys = (self.keys.seen, self.keys.traj, self.keys.counters, self.keys.unacked, self.keys.held)
-        pipe.eval(_PUSH, len(keys), *keys, group_id, SEEN_WINDOW, producer)
+        pipe.eval(scripts.PUSH, len(keys), *keys, group_id, SEEN_WINDOW, producer)
+        if seq is not None:  # the journal ends with the push, in the same transaction
+            pipe.hdel(self.keys.journals, seq).delete(self.keys.journal(seq))
         return bool(pipe.execute()[1])
 
     def release(
-        self, n: int = 1, token: str | None = None, reason: str = "abandoned", producer: str | None = None
+        self,
+        n: int = 1,
+        token: str | None = None,
+        reason: str = "abandoned",
+        producer: str | None = None,
+        seq: int | None = None,
     ) -> None:
         check_release_reason(reason)
         check_count("n", n)
         if n:
-            self._count_once(reason, n, token or new_token(), producer or "")
+            self._count_once(reason, n, token or new_token(), producer or "", seq)
 
     @_retrying
-    def release_held(self, producer: str | None = None) -> int:
-        return int(self._release_held(keys=[self.keys.counters, self.keys.held], args=[producer or ""]))
+    def release_held(self, producer: str | None = None, *, resume: bool = False, reaped: int | None = None) -> int:
+        keys = [self.keys.counters, self.keys.held, self.keys.journals, self.keys.orphans]
+        args = [producer or "", "1" if resume else "0", "" if reaped is None else reaped, self.keys.journal("")]
+        return int(self._release_held(keys=keys, args=args))
+
+    @_retrying
+    def journal(self, seq: int, part: str, state: bytes, producer: str) -> bool:
+        keys = [self.keys.journals, self.keys.journal(seq)]
+        return bool(self._journal(keys=keys, args=[seq, producer, part, state]))
+
+    @_retrying
+    def take_orphan(self, producer: str) -> tuple[int, dict[str, bytes]] | None:
+        keys = [self.keys.journals, self.keys.orphans, self.keys.held, self.keys.counters]
+        raw = self._take_orphan(keys=keys, args=[producer, self.keys.journal("")])
+        if not raw:
+            return None
+        return int(raw[0]), {raw[i].decode(): raw[i + 1] for i in range(1, len(raw), 2)}
+
+    @_retrying
+    def orphans(self) -> int:
+        return sum(owner == b"" for owner in self._r.hvals(self.keys.journals))
 
     def record_replays(self, n: int, token: str | None = None) -> None:
         check_count("n", n)
@@ -332,9 +216,15 @@ class RedisBuffer(Buffer):
             self._count_once("replayed", n, token or new_token())
 
     @_retrying
-    def _count_once(self, field: str, n: int, token: str, producer: str = "") -> None:
+    def _count_once(self, field: str, n: int, token: str, producer: str = "", seq: int | None = None) -> None:
         keys = [self.keys.counters, self.keys.once(token), self.keys.held]
-        self._incr_once(keys=keys, args=[field, n, IDEMPOTENCY_TTL_S, producer])
+        if seq is None:
+            self._incr_once(keys=keys, args=[field, n, IDEMPOTENCY_TTL_S, producer])
+            return
+        pipe = self._r.pipeline(transaction=True)  # the group's journal ends with its release
+        pipe.eval(scripts.INCR_ONCE, len(keys), *keys, field, n, IDEMPOTENCY_TTL_S, producer)
+        pipe.hdel(self.keys.journals, seq).delete(self.keys.journal(seq))
+        pipe.execute()
 
     # ----- learner ranks ----------------------------------------------------------------------
 

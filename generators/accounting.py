@@ -81,6 +81,8 @@ class EpisodeStats:
     tokens: int = 0
     groups: int = 0
     groups_failed: int = 0
+    groups_resumed: int = 0  # taken over from a generator that died (generators.journal)
+    turns_resumed: int = 0  # their model turns kept from the journal, not played again
     prompts_too_long: int = 0
 
     def episode(self, ctx: Context, outcome: Outcome) -> None:
@@ -105,6 +107,8 @@ class EpisodeStats:
             "episodes/done": self.episodes,
             "episodes/failed": sum(self.failures.values()),
             "episodes/groups_failed": self.groups_failed,
+            "episodes/groups_resumed": self.groups_resumed,
+            "episodes/turns_resumed": self.turns_resumed,
             **{f"episodes/failed_{cause}": n for cause, n in sorted(self.failures.items())},
             **{f"tools/{cause}": n for cause, n in sorted(self.tool_failures.items())},
         }

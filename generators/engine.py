@@ -6,7 +6,9 @@ distribution actually sampled (temperature applied), computed with the weights o
 
 Engines are driven through requests (``add_request`` / ``step`` / ``abort_requests``), continuously,
 by the generator's episode scheduler (``asyncrl.generators.scheduler``): a turn is added when its
-episode asks for it, and each ``step`` returns the new tokens of every running request. Only the
+episode asks for it, and each ``step`` returns the new tokens of every running request. An engine with
+``multi_sample`` also takes one request of ``sampling.n`` samples of a prompt (a single-turn group:
+the prompt's prefill shared); each sample is then reported under the request's id with its ``index``. Only the
 scheduler's one engine thread calls ``step``; requests are added, aborted and weights loaded only
 between steps.
 """
@@ -63,8 +65,9 @@ class StepOutput:
     request_id: str
     tokens: list[int]  # new token ids since the last step
     logprobs: list[float]  # their behaviour log-probs
-    finished: bool
+    finished: bool  # this sample is done (the request is once each of its samples is)
     finish_reason: str = "length"  # "stop" | "length", when finished
+    index: int = 0  # which of the request's ``sampling.n`` samples (0 for a single one)
 
 
 def context_length(model_path: str, max_model_len: int | None = None) -> int:
@@ -88,18 +91,22 @@ def fits(prompt_len: int, max_new_tokens: int, max_model_len: int) -> bool:
 
 class Engine(abc.ABC):
     max_model_len: int  # tokens of prompt plus completion one sequence may hold
+    multi_sample: bool = False  # add_request takes sampling.n > 1 (else the scheduler adds n requests)
 
     @abc.abstractmethod
     def add_request(self, request_id: str, prompt: list[int], sampling: Sampling) -> None:
-        """Start one completion (``sampling.n`` is 1) of ``prompt``; its tokens come from ``step``."""
+        """Start ``sampling.n`` independent completions of ``prompt`` (more than one only where
+        ``multi_sample``); their tokens come from ``step``, each sample's under its ``index``."""
 
     @abc.abstractmethod
     def step(self) -> list[StepOutput]:
-        """Advance every running request; blocking. Each finished request appears once with finished."""
+        """Advance every running request; blocking. Each sample of a request appears once with finished
+        (the samples of one request may finish at different steps)."""
 
     @abc.abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None:
-        """Stop these requests (unknown or finished ids are ignored); they produce no more output."""
+        """Stop these requests, every sample of each (unknown or finished ids are ignored); they produce
+        no more output."""
 
     def score(self, ids: list[int]) -> list[float]:
         """Log-probs of ``ids[1:]`` under the served weights at temperature 1 (the weight-sync probe,

@@ -1,7 +1,8 @@
 """transformers ``generate`` engine, for machines where vLLM cannot run and for fast tests.
 
 Its request interface is coarse: one ``step`` runs every added request to completion (batched per
-sampling setting), so weights can change only between whole turns."""
+sampling setting, a request's ``sampling.n`` samples as rows of that batch), so weights can change only
+between whole turns."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from asyncrl.weights.ties import module_aliases
 
 
 class HfEngine(Engine):
+    multi_sample = True
+
     def __init__(self, model: ModelConfig, seed: int, max_model_len: int | None = None):
         self.dtype = getattr(torch, model.dtype)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,8 +108,9 @@ class HfEngine(Engine):
         for sampling, reqs in batches.items():
             comps = self.generate([p for _, p in reqs], sampling)
             outs += [
-                StepOutput(rid, c[0].tokens, c[0].logprobs, True, c[0].finish_reason)
-                for (rid, _), c in zip(reqs, comps, strict=True)
+                StepOutput(rid, c.tokens, c.logprobs, True, c.finish_reason, i)
+                for (rid, _), samples in zip(reqs, comps, strict=True)
+                for i, c in enumerate(samples)
             ]
         return outs
 

@@ -2,23 +2,30 @@
 
 Episodes are coroutines on the generator's one event loop. Each model turn is a request
 ``await pump.complete(prompt_ids, sampling)``: it is added to the engine at the pump's next pass, so
-the engine never waits on an environment while another episode has a turn to sample. The pump's
-loop, between engine steps:
+the engine never waits on an environment while another episode has a turn to sample.
+``await pump.complete_many(prompt_ids, sampling, n)`` samples n turns of one prompt (a single-turn
+group) as ONE engine request of n samples where the engine supports it (``Engine.multi_sample``: the
+prompt's prefill is shared, one request to add and to track), else as n requests; either way each
+sample is its own turn below, with its own tokens, log-probs and versions. The pump's loop, between
+engine steps:
 
   1. weights - if the ``WeightFeed`` has a newer version (and no evaluation holds the weights), apply
                it as ``generator.engine.on_weight_update`` says (then score the feed's probe, with
                no request in the engine: ``asyncrl.observe.probe``):
                ``continue``: every running turn is aborted and added again with its prompt plus the
                tokens it has, under the new weights (a prefill rebuilds its KV cache); the tokens
-               after the switch carry the new version and the new policy's log-probs;
-               ``abort``: every running turn starts again from its own prompt;
+               after the switch carry the new version and the new policy's log-probs; a running
+               n-sample request is split: each unfinished sample goes on as a request of its own;
+               ``abort``: every running turn starts again from its own prompt (an n-sample
+               request's unfinished samples each as a request of its own, its finished ones kept);
                ``wait``: no new turn starts until the running ones finish, then the weights load.
                An episode's turns may be of different versions under any mode: every token carries
                its own, and a group's version is its oldest model token's.
   2. cancel  - abort the requests of episodes that were cancelled (timeouts, shutdown)
-  3. add     - start every queued turn
+  3. add     - start every queued turn (the n fresh turns of a ``complete_many`` as one request)
   4. step    - one ``engine.step()`` on the pump's own thread (the event loop goes on serving
-               environments meanwhile), then hand each finished turn back to its episode
+               environments meanwhile), then hand each finished turn back to its episode (the
+               samples of one request finish one by one: each is handed back when it ends)
 
 Concurrency: the engine is touched only by this loop, and never while a step runs: requests are
 added and aborted, and weights loaded, between steps. ``idle_fraction`` is the share of wall time
@@ -35,7 +42,7 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
-from asyncrl.generators.engine import Completion, Engine, Sampling
+from asyncrl.generators.engine import Completion, Engine, Sampling, StepOutput
 
 if TYPE_CHECKING:
     from asyncrl.generators.weight_feed import WeightFeed
@@ -54,6 +61,7 @@ class _Turn:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    finished: bool = False  # the engine ended it (its request may still run other samples)
 
     def completion(self, finish_reason: str) -> Completion:
         return Completion(self.tokens, self.logprobs, finish_reason, self.versions)
@@ -63,8 +71,8 @@ class EnginePump:
     def __init__(self, engine: Engine, feed: WeightFeed, on_update: str):
         self.engine, self.feed, self.on_update = engine, feed, on_update
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "engine", initializer=engine.bind_thread)
-        self._queue: list[_Turn] = []
-        self._live: dict[str, _Turn] = {}
+        self._queue: list[tuple[_Turn, ...]] = []  # turns to add; the turns of one complete_many together
+        self._live: dict[str, tuple[_Turn, ...]] = {}  # request id -> its turns, by sample index
         self._cancelled: list[str] = []
         self._wake = asyncio.Event()
         self._ids = itertools.count()
@@ -81,13 +89,25 @@ class EnginePump:
 
     async def complete(self, prompt: list[int], sampling: Sampling) -> Completion:
         """One model turn of ``prompt``; every token with the version that produced it."""
-        turn = _Turn(list(prompt), sampling, asyncio.get_running_loop().create_future())
-        self._queue.append(turn)
+        (completion,) = await self._submit((_Turn(list(prompt), sampling, asyncio.get_running_loop().create_future()),))
+        return completion
+
+    async def complete_many(self, prompt: list[int], sampling: Sampling, n: int) -> list[Completion]:
+        """``n`` model turns of ``prompt`` (``sampling.n`` is ignored), sampled independently, as one
+        n-sample engine request where the engine supports it; each completion as ``complete`` gives it
+        (its tokens' versions may differ from its siblings' when an update split the request)."""
+        loop = asyncio.get_running_loop()
+        return await self._submit(tuple(_Turn(list(prompt), sampling, loop.create_future()) for _ in range(n)))
+
+    async def _submit(self, turns: tuple[_Turn, ...]) -> list[Completion]:
+        self._queue.append(turns)
         self._wake.set()
         try:
-            return await turn.done
+            if len(turns) == 1:
+                return [await turns[0].done]
+            return list(await asyncio.gather(*(t.done for t in turns)))
         except asyncio.CancelledError:
-            self._forget(turn)
+            self._forget(turns)
             raise
 
     @contextlib.asynccontextmanager
@@ -118,8 +138,8 @@ class EnginePump:
                 await self._weights(loop)  # 1
                 self._abort_cancelled()  # 2
                 if self._waiting is None:  # 3
-                    for turn in self._queue:
-                        self._add(turn)
+                    for turns in self._queue:
+                        self._add(turns)
                     self._queue = []
                 if not self._live:
                     t0 = time.perf_counter()
@@ -132,25 +152,34 @@ class EnginePump:
                 self._step = loop.run_in_executor(self._thread, self.engine.step)  # 4
                 outs = await self._step
                 self.busy_s += time.perf_counter() - t0
-                for out in outs:
-                    turn = self._live.get(out.request_id)
-                    if turn is None:
-                        continue
-                    turn.tokens += out.tokens
-                    turn.logprobs += out.logprobs
-                    turn.versions += [self.version] * len(out.tokens)
-                    if out.finished:
-                        del self._live[out.request_id]
-                        if not turn.done.done():
-                            turn.done.set_result(turn.completion(out.finish_reason))
+                self._deliver(outs)
         finally:
             if self._step is not None and not self._step.done():  # never touch the engine mid-step
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self._step)
             self.engine.abort_requests(list(self._live))
-            for turn in [*self._queue, *self._live.values()]:
-                turn.done.cancel()
+            for turns in [*self._queue, *self._live.values()]:
+                for turn in turns:
+                    turn.done.cancel()
             self._thread.shutdown(wait=False)
+
+    def _deliver(self, outs: list[StepOutput]) -> None:
+        """A step's new tokens to their turns; a finished turn back to its episode; a request leaves
+        ``_live`` when every one of its samples finished."""
+        for out in outs:
+            turns = self._live.get(out.request_id)
+            if turns is None:
+                continue
+            turn = turns[out.index]
+            turn.tokens += out.tokens
+            turn.logprobs += out.logprobs
+            turn.versions += [self.version] * len(out.tokens)
+            if out.finished:
+                turn.finished = True
+                if not turn.done.done():
+                    turn.done.set_result(turn.completion(out.finish_reason))
+                if all(t.finished for t in turns):
+                    del self._live[out.request_id]
 
     async def _weights(self, loop) -> None:
         if self._holds:
@@ -162,7 +191,7 @@ class EnginePump:
             self._waiting = update  # applied once the running turns finish
             return
         self._waiting = None
-        running = list(self._live.values())
+        running = [t for turns in self._live.values() for t in turns if not t.finished]  # split per sample
         self.engine.abort_requests(list(self._live))
         self._live = {}
         t0 = time.perf_counter()
@@ -180,24 +209,34 @@ class EnginePump:
         for turn in running:  # only continue | abort get here with running turns
             if self.on_update == "abort":
                 turn.tokens, turn.logprobs, turn.versions = [], [], []
-            self._add(turn)
+            self._add((turn,))
 
-    def _add(self, turn: _Turn) -> None:
-        if turn.done.done():  # cancelled while queued
+    def _add(self, turns: tuple[_Turn, ...]) -> None:
+        """Start ``turns`` (of one prompt and sampling): fresh ones as one n-sample request where the
+        engine takes it, else (or once they hold tokens) each as a request of its own."""
+        turns = tuple(t for t in turns if not t.done.done())  # cancelled while queued
+        if len(turns) > 1 and self.engine.multi_sample and not any(t.tokens for t in turns):
+            request_id = f"turn-{next(self._ids)}"
+            sampling = dataclasses.replace(turns[0].sampling, n=len(turns))
+            self.engine.add_request(request_id, turns[0].prompt, sampling)
+            self._live[request_id] = turns
             return
-        left = turn.sampling.max_new_tokens - len(turn.tokens)
-        if left <= 0:  # continued up to its limit exactly at an update
-            turn.done.set_result(turn.completion("length"))
-            return
-        request_id = f"turn-{next(self._ids)}"
-        sampling = dataclasses.replace(turn.sampling, max_new_tokens=left)
-        self.engine.add_request(request_id, turn.prompt + turn.tokens, sampling)
-        self._live[request_id] = turn
+        for turn in turns:
+            left = turn.sampling.max_new_tokens - len(turn.tokens)
+            if left <= 0:  # continued up to its limit exactly at an update
+                turn.finished = True
+                turn.done.set_result(turn.completion("length"))
+                continue
+            request_id = f"turn-{next(self._ids)}"
+            sampling = dataclasses.replace(turn.sampling, n=1, max_new_tokens=left)
+            self.engine.add_request(request_id, turn.prompt + turn.tokens, sampling)
+            self._live[request_id] = (turn,)
 
-    def _forget(self, turn: _Turn) -> None:
-        if turn in self._queue:
-            self._queue.remove(turn)
-        self._cancelled += [rid for rid, t in self._live.items() if t is turn]
+    def _forget(self, turns: tuple[_Turn, ...]) -> None:
+        if turns in self._queue:
+            self._queue.remove(turns)
+        mine = set(turns)
+        self._cancelled += [rid for rid, live in self._live.items() if mine.intersection(live)]
 
     def _abort_cancelled(self) -> None:
         if self._cancelled:
@@ -205,3 +244,28 @@ class EnginePump:
             for rid in self._cancelled:
                 self._live.pop(rid, None)
             self._cancelled = []
+
+
+class GroupTurns:
+    """A ``Context``'s ``complete`` shared by the n single-turn episodes of one group: their first turns
+    of the group's prompt are one ``complete_many`` of n samples, sent at the first ask, the i-th
+    completion to the i-th asker. Any other turn (another context, a smaller limit, an n+1-th) is its
+    own ``complete``. One episode cancelled (its timeout) leaves the others' samples running;
+    :meth:`cancel` (the group's end) stops whatever still runs."""
+
+    def __init__(self, pump: EnginePump, prompt: list[int], sampling: Sampling, n: int):
+        self.pump, self.prompt, self.sampling, self.n = pump, list(prompt), sampling, n
+        self._asked = 0
+        self._many: asyncio.Future | None = None
+
+    async def __call__(self, ids: list[int], max_new_tokens: int) -> Completion:
+        if self._asked >= self.n or max_new_tokens != self.sampling.max_new_tokens or list(ids) != self.prompt:
+            return await self.pump.complete(ids, dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens))
+        i, self._asked = self._asked, self._asked + 1
+        if self._many is None:
+            self._many = asyncio.ensure_future(self.pump.complete_many(self.prompt, self.sampling, self.n))
+        return (await asyncio.shield(self._many))[i]
+
+    def cancel(self) -> None:
+        if self._many is not None:
+            self._many.cancel()

@@ -6,9 +6,10 @@ path that works (``load_weights`` fails on the repacked CPU linear layers). The 
 in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so ``collective_rpc`` hands the tensors
 over by reference: nothing is serialised.
 
-The request interface (``add_request`` / ``step``) drives vLLM's ``LLMEngine`` directly, one request
-per completion, outputs as deltas; the scheduler owns what happens to running requests when weights
-change (``asyncrl.generators.scheduler``).
+The request interface (``add_request`` / ``step``) drives vLLM's ``LLMEngine`` directly, outputs as
+deltas; a request of ``sampling.n`` samples is vLLM's parallel sampling (one prefill, n child sequences,
+each child's delta reported under the request's id with its ``index``). The scheduler owns what happens
+to running requests when weights change (``asyncrl.generators.scheduler``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class WeightReloadExtension:
 
 
 class VllmEngine(Engine):
+    multi_sample = True
+
     def __init__(
         self,
         engine: VllmEngineConfig,
@@ -106,6 +109,7 @@ class VllmEngine(Engine):
             gpu_memory_utilization=0.3,
         )
         self.stepped = False
+        self._parents: dict[str, str] = {}  # our id -> vLLM's internal id, for running n-sample requests
         log.info("vllm engine up")
 
     def bind_thread(self) -> None:
@@ -117,16 +121,22 @@ class VllmEngine(Engine):
 
     def add_request(self, request_id: str, prompt: list[int], sampling: Sampling) -> None:
         params = _params(sampling, sampling.max_new_tokens)
-        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        internal = self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        if sampling.n > 1:
+            self._parents[request_id] = internal
 
     def step(self) -> list[StepOutput]:
         outs = []
+        # one RequestOutput per child with new tokens (DELTA): ``finished`` is the whole request's,
+        # a child's own end is its finish_reason
         for out in self.llm.llm_engine.step():
-            c = out.outputs[0]
-            tokens = list(c.token_ids)
-            logprobs = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], tokens, strict=True)]
-            reason = "stop" if c.finish_reason == "stop" else "length"
-            outs.append(StepOutput(out.request_id, tokens, logprobs, out.finished, reason))
+            for c in out.outputs:
+                tokens = list(c.token_ids)
+                logprobs = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], tokens, strict=True)]
+                reason = "stop" if c.finish_reason == "stop" else "length"
+                outs.append(StepOutput(out.request_id, tokens, logprobs, c.finished(), reason, c.index))
+            if out.finished:
+                self._parents.pop(out.request_id, None)
         if not self.stepped:  # the first call warms up: a start-up phase (scripts/bench/startup.py)
             self.stepped = True
             log.info("first engine step done")
@@ -148,8 +158,12 @@ class VllmEngine(Engine):
         raise RuntimeError("the probe request ended without output")
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self.llm.llm_engine.abort_request(request_ids)
+        engine = self.llm.llm_engine
+        if singles := [rid for rid in request_ids if rid not in self._parents]:
+            engine.abort_request(singles)
+        if parents := [self._parents.pop(rid) for rid in request_ids if rid in self._parents]:
+            # by the parent's internal id: vLLM then drops its parent record too (by ours it would keep it)
+            engine.abort_request(parents, internal=True)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         self.llm.collective_rpc("asyncrl_reload", args=(tensors,))
@@ -161,7 +175,7 @@ def _params(sampling: Sampling, max_tokens: int):
     from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
-        n=1,
+        n=sampling.n,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,

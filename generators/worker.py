@@ -1,35 +1,7 @@
-"""One generator process: an episode scheduler that turns tasks into scored trajectory groups.
-
-One event loop runs up to ``generator.episodes_in_flight`` episodes (whole groups: a group is
-``n_samples`` episodes of one task) and one :class:`~asyncrl.generators.scheduler.EnginePump` that
-samples their turns continuously. The loop, every ``TICK_S`` or when a group ends:
-
-  0. lease   - renew this generator's lease in the run's fleet (``RunControl.renew``) and read the
-               fleet's size; a lost lease (stalled past ``MEMBER_TTL_S``: the launcher reaped it and
-               gave its slots back) ends the process before it claims or pushes anything more
-  1. eval    - if the served version reached an eval point (at it, or past it: ``evaluation``) that no
-               other generator claimed, start a greedy held-out evaluation of it (it holds the weights
-               until done: one version throughout)
-  2. admit   - claim groups under admission control, keyed on the version the engine serves, while
-               there is room for their episodes, the share sized by the live fleet; each claimed
-               group runs as its own task: n episodes concurrently -> one trajectory group -> push,
-               or ``failed``
-  3. report  - metrics every ``REPORT_S``; stop the run when failures pass the limit
-               (``episode.failure_limit``)
-
-SIGTERM ends the loop the same way the run's stop does: unfinished groups are cancelled, their slots
-given back, and the generator leaves the fleet at once (no lease left to expire).
-
-Weights are applied by the pump between engine steps (``generator.engine.on_weight_update``).
-
-Group outcomes: pushed (every sample with its status), or, when an episode failed under
-``episode.failure_policy: drop_group`` (or every episode failed), ``failed``: not pushed, its
-admission slot given back and counted. Slots of groups that never reach the buffer (too-long
-prompts, shutdown) are given back as ``abandoned``. Every claim, push and release names this
-generator as the group's producer, so the buffer knows, in the same atomic step, which groups it
-holds: those of a generator killed at any instant are exactly what the launcher gives back
-(``Buffer.release_held``).
-"""
+"""One generator process: its engine, buffer, weight subscriber and tokenizer, set up for a
+:class:`~asyncrl.generators.generator.Generator` whose loop runs until the run ends or SIGTERM
+(``python -m asyncrl.generators.worker``, started by ``asyncrl launch``, ``asyncrl join`` or a Ray or
+SLURM backend)."""
 
 from __future__ import annotations
 
@@ -37,8 +9,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
-import json
 import logging
 import os
 import signal
@@ -46,365 +16,19 @@ import threading
 import time
 import zlib
 
-import numpy as np
-
 from asyncrl import buffers
-from asyncrl.buffers.base import live_groups
-from asyncrl.chat import ChatTokens
 from asyncrl.config import Config, load_config
-from asyncrl.control import MEMBER_TTL_S, RunControl, connect
-from asyncrl.data import is_async, load_jsonl, prompt_for_sequence, prompt_of
-from asyncrl.episodes.api import Context, Outcome, load_episode, run_episode
-from asyncrl.episodes.pool import WorkerPool
-from asyncrl.generators.accounting import EpisodeStats, FailureWindow, threads_and_children
-from asyncrl.generators.engine import Engine, Sampling, fits, turn_sampling
+from asyncrl.control import RunControl, connect
 from asyncrl.generators.engine import setup as setup_engine
-from asyncrl.generators.evaluation import (
-    SAMPLE_EVERY,
-    SAMPLE_ITEMS,
-    eval_points,
-    eval_record,
-    points_reached,
-    sample_items,
-    samples_record,
-)
-from asyncrl.generators.outcomes import episode_seed, to_sample
-from asyncrl.generators.scheduler import EnginePump
-from asyncrl.generators.weight_feed import WeightFeed
+from asyncrl.generators.generator import Generator
 from asyncrl.lifetime import NICE_WHEN_UP_ENV, lower_priority
-from asyncrl.observe import probe
-from asyncrl.observe.metrics import RedisSink, setup_logging
-from asyncrl.protocol import TrajectoryGroup, encode_group
-from asyncrl.rewards.resolve import load_reward
+from asyncrl.observe.metrics import setup_logging
 from asyncrl.secret import read_secret
-from asyncrl.staleness import admission_limit, claim_share
-from asyncrl.weights import WeightSubscriber, setup_subscriber
+from asyncrl.weights import setup_subscriber
 
 log = logging.getLogger("asyncrl.generator")
 
-TICK_S = 0.2  # the loop's pace when nothing happens: heartbeats, admission after new weights
-REPORT_S = 2.0  # metrics interval: often enough for the progress line, rare enough for hundreds of episodes
 HUNG_AFTER_S = 0.5  # at the end, how long an episode thread may take to finish before it counts as hung
-
-
-class LeaseLost(RuntimeError):
-    """This generator's lease expired (it stalled) and the run gave its admission slots away."""
-
-
-class Generator:
-    def __init__(
-        self,
-        cfg: Config,
-        *,
-        ident: str,
-        engine: Engine,
-        buffer,
-        control: RunControl,
-        tokenizer,
-        subscriber: WeightSubscriber,
-    ):
-        """The weights on disk, which ``engine`` starts from, are version 0."""
-        self.cfg, self.ident = cfg, ident
-        self.engine, self.buffer, self.control = engine, buffer, control
-        self.metrics = RedisSink(control, f"generator/{ident}")
-        self.lease = control.join("generator", ident)  # a member of the fleet from here on
-        self.fleet = 1  # live generators, as of the last tick (admission shares are sized by it)
-        self.stopping = False  # SIGTERM: leave the run cleanly
-        ep = cfg.episode
-        self.chat = ChatTokens(tokenizer, use_template=ep.chat_template, system_prompt=ep.system_prompt)
-        self.records = load_jsonl(cfg.data.train)
-        self.feed = WeightFeed(
-            subscriber,
-            self.metrics,
-            self.heartbeat,
-            version=0,
-            probe_ids=probe.probe_ids(self.chat, self.records[0]),
-            compare=lambda version, logprobs: probe.difference(control, version, logprobs),
-            aliases=json.loads(control.get_meta("tied") or "{}"),  # the learner's, before its first version
-            adapter=(cfg.model.path, cfg.model.lora.alpha / cfg.model.lora.rank) if cfg.model.lora else None,
-        )
-        self.pump = EnginePump(engine, self.feed, cfg.generator.engine.on_weight_update)
-        self.episode, self.tools, self.parser = load_episode(ep)
-        # plain environments, tools and rewards: killable worker processes, started at their first call
-        self.pool = (
-            WorkerPool(workers=ep.workers, threads=ep.worker_threads, memory_mb=ep.worker_memory_mb)
-            if ep.plain_code == "process"
-            else None
-        )
-        self.peaks = {"generator/threads_peak": 0, "generator/child_processes_peak": 0}
-        self.reward_fn = load_reward(cfg.data.reward, ep.reward_timeout_s)
-        self.eval_reward_fn = load_reward(cfg.data.eval_reward, ep.reward_timeout_s) if cfg.data.eval_reward else None
-        eval_records = load_jsonl(cfg.data.eval)[: cfg.data.eval_size] if cfg.data.eval else []
-        encoded = [(r, self.chat.prompt_ids(prompt_of(r))) for r in eval_records]
-        self.eval_set = [(r, ids) for r, ids in encoded if self._fits(ids)]  # encoded once
-        if len(self.eval_set) < len(eval_records):
-            log.warning(
-                "%d eval prompts do not fit the model's context: left out", len(eval_records) - len(self.eval_set)
-            )
-        self.due_evals = eval_points(cfg.run.steps, cfg.run.eval_every) if cfg.generator.eval else set()
-        self.due_samples = set(range(0, cfg.run.steps + 1, SAMPLE_EVERY))  # training samples (samples.jsonl)
-        g = cfg.generator
-        stops = tuple(self.chat.stop_token_ids)
-        self.sampling, self.greedy = turn_sampling(g, stops), turn_sampling(g, stops, greedy=True)
-        self.capacity = max(1, g.episodes_in_flight // g.n_samples)  # groups
-        self.groups: set[asyncio.Task] = set()
-        self.evaluating: asyncio.Task | None = None
-        self.failures = FailureWindow(ep.failure_window, ep.failure_limit)
-        self.stats = EpisodeStats()
-        self.changed = asyncio.Event()
-        self.logged_causes: set[str] = set()
-        self.crashed: BaseException | None = None  # a group's or evaluation's infrastructure error
-        self.pushed = False  # any group yet (logged once)
-
-    @property
-    def version(self) -> int:
-        """The weights version the engine serves."""
-        return self.feed.version
-
-    def _fits(self, prompt: list[int]) -> bool:
-        return fits(len(prompt), self.cfg.generator.max_new_tokens, self.engine.max_model_len)
-
-    # -- one episode, one group ------------------------------------------------------------------------
-    async def play(
-        self, record: dict, prompt: list[int], seed: int, sampling: Sampling, reward=None
-    ) -> tuple[Context, Outcome]:
-        ep = self.cfg.episode
-        budget = self.engine.max_model_len - len(prompt)
-        ctx = Context(
-            task=record,
-            seed=seed,
-            prompt_ids=prompt,
-            complete=lambda ids, n: self.pump.complete(ids, dataclasses.replace(sampling, max_new_tokens=n)),
-            chat=self.chat,
-            stop=sampling.stop,
-            budget=min(ep.max_tokens or budget, budget),
-            max_new_tokens=sampling.max_new_tokens,
-            cfg=ep,
-            tools=self.tools,
-            parser=self.parser,
-            reward=reward or self.reward_fn,
-            pool=self.pool,
-        )
-        return ctx, await run_episode(self.episode, ctx, ep.episode_timeout_s)
-
-    async def run_group(self, seq: int) -> None:
-        version = self.version
-        epoch, idx = prompt_for_sequence(seq, len(self.records), self.cfg.run.seed)
-        record = self.records[idx]
-        prompt = self.chat.prompt_ids(prompt_of(record))
-        if not self._fits(prompt):  # never an engine error: skipped, counted, its slot given back
-            self.stats.prompts_too_long += 1
-            log.warning("a prompt leaves no room in the %d-token context: skipped", self.engine.max_model_len)
-            self._end_group(release="abandoned")
-            return
-        n = self.cfg.generator.n_samples
-        played = await asyncio.gather(
-            *(self.play(record, prompt, episode_seed(self.cfg.run.seed, seq, i), self.sampling) for i in range(n))
-        )
-        for ctx, outcome in played:
-            self.stats.episode(ctx, outcome)
-            if outcome.cause is not None:
-                self._log_failure(idx, outcome)
-        self.failures.add_group([outcome for _, outcome in played])
-        self.maybe_sample(version, prompt, played)
-        failed = sum(o.cause is not None for _, o in played)
-        if failed and (self.cfg.episode.failure_policy == "drop_group" or failed == n):
-            self.stats.groups_failed += 1
-            self._end_group(release="failed")
-            return
-        samples = [to_sample(ctx, outcome) for ctx, outcome in played]
-        self.stats.groups += 1
-        self._end_group(push=TrajectoryGroup(np.asarray(prompt, np.int32), samples, idx, epoch, self.ident))
-
-    def _log_failure(self, idx: int, outcome: Outcome) -> None:
-        """The first failure of each cause with its traceback; the rest only in the counters (a reward
-        that raises on every third prompt must not bury the log)."""
-        if outcome.cause in self.logged_causes:
-            log.debug("episode of prompt %d failed: %s: %s", idx, outcome.cause, outcome.detail)
-            return
-        self.logged_causes.add(outcome.cause)
-        log.warning(
-            "episode of prompt %d failed: %s: %s (later %s failures are only counted)\n%s",
-            idx, outcome.cause, outcome.detail, outcome.cause, outcome.traceback,
-        )  # fmt: skip
-
-    def _end_group(self, *, push: TrajectoryGroup | None = None, release: str | None = None) -> None:
-        if push is not None:
-            self.buffer.push(push.id, encode_group(push), producer=self.ident)
-            if not self.pushed:  # a start-up phase (scripts/bench/startup.py)
-                self.pushed = True
-                log.info("generator %s pushed its first group", self.ident)
-        else:
-            self.buffer.release(1, reason=release, producer=self.ident)
-        self.changed.set()
-
-    def maybe_sample(self, version: int, prompt: list[int], played: list) -> None:
-        """A finished group of ``version``: its first episodes to samples.jsonl when it is the first group
-        at or after a sample point (``evaluation.SAMPLE_EVERY``), once across the fleet."""
-        reached = points_reached(self.due_samples, version)
-        if not reached:
-            return
-        self.due_samples.difference_update(reached)
-        if [p for p in reached if self.control.claim_once(f"samples:{p}")]:  # every one claimed, not the first
-            items = sample_items(self.chat.tok, [prompt] * len(played), played, SAMPLE_ITEMS)
-            self.metrics.log(samples_record("train", version, reached[-1], items))
-
-    # -- phases ------------------------------------------------------------------------------------------
-    def maybe_evaluate(self) -> None:
-        """Evaluate the served version if it reached eval points (``evaluation``) no other generator claimed:
-        the first version served at or after each, however many versions passed meanwhile."""
-        if self.evaluating is not None or not self.eval_set:
-            return
-        reached = points_reached(self.due_evals, self.version)
-        if not reached:
-            return
-        self.due_evals.difference_update(reached)
-        claimed = [p for p in reached if self.control.claim_once(f"eval:{p}")]  # each, not just the first
-        if not claimed:
-            return
-        if passed := ", ".join(str(p) for p in claimed if p < self.version):
-            log.info("eval point %s passed before version %d was served here: evaluating that", passed, self.version)
-        self.evaluating = asyncio.create_task(self.evaluate(claimed))
-        self.evaluating.add_done_callback(self._task_done)
-
-    async def evaluate(self, points: list[int]) -> None:
-        try:
-            async with self.pump.hold():
-                version, t0 = self.version, time.perf_counter()
-                played = await asyncio.gather(
-                    *(
-                        self.play(r, ids, episode_seed(self.cfg.run.seed, -1, i), self.greedy, self.eval_reward_fn)
-                        for i, (r, ids) in enumerate(self.eval_set)
-                    )
-                )
-            record, point = eval_record(version, points, played, time.perf_counter() - t0), points[-1]
-            if "eval/reward_mean" in record:
-                log.info("eval at version %d (point %d): reward %.3f", version, point, record["eval/reward_mean"])
-            else:
-                log.warning("eval at version %d: every episode failed", version)
-            self.metrics.log(record)
-            prompts = [ids for _, ids in self.eval_set]
-            self.metrics.log(
-                samples_record("eval", version, point, sample_items(self.chat.tok, prompts, played, SAMPLE_ITEMS))
-            )
-        finally:
-            self.evaluating = None
-
-    def admit(self) -> int:
-        """Claim groups while admission and room allow; each starts as its own task."""
-        k, b = self.cfg.run.max_policy_lag, self.cfg.learner.groups_per_step
-        if self.version >= self.cfg.run.steps:  # the learner is done: only the final eval is left
-            return 0
-        room = self.capacity - len(self.groups)
-        if room <= 0:
-            return 0
-        live = live_groups(self.buffer.stats())
-        share = claim_share(admission_limit(self.version, k, b) - live, self.fleet, room, b)
-        claimed = 0
-        while claimed < share:  # each claim is atomic; the share only spreads them
-            seq = self.buffer.try_start_group(self.version, k, b, producer=self.ident)
-            if seq is None:
-                break
-            task = asyncio.create_task(self.run_group(seq))
-            self.groups.add(task)
-            task.add_done_callback(self._task_done)
-            claimed += 1
-        return claimed
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        """Episodes fail as data; what escapes a group or an evaluation is an infrastructure error
-        (Redis, the engine): it ends the loop, and the launcher restarts this generator."""
-        self.groups.discard(task)
-        if not task.cancelled() and task.exception() is not None and self.crashed is None:
-            self.crashed = task.exception()
-        self.changed.set()
-
-    def report(self) -> None:
-        record = self.stats.record(self.cfg.generator.n_samples * len(self.groups), self.pump.take_idle_fraction())
-        self.stats = EpisodeStats()
-        for fn in (self.reward_fn, self.eval_reward_fn):  # a reward model's throughput
-            record.update(getattr(fn, "metrics", dict)())
-        threads, children = threads_and_children()  # bounded whatever user code does
-        self.peaks["generator/threads_peak"] = max(self.peaks["generator/threads_peak"], threads)
-        self.peaks["generator/child_processes_peak"] = max(self.peaks["generator/child_processes_peak"], children)
-        record.update({"generator/threads": threads, "generator/child_processes": children, **self.peaks})
-        self.metrics.log({"generator/version": self.version, **record})
-
-    def heartbeat(self, **fields) -> None:
-        """Renew this generator's lease in the fleet; a lost lease (it stalled past the lease's life and
-        its slots were given back) ends the process before it can push groups it no longer holds."""
-        beat = {"version": self.version, "pid": os.getpid(), **fields}
-        if not self.control.renew("generator", self.ident, self.lease, **beat):
-            raise LeaseLost(f"generator {self.ident} lost its lease (no heartbeat for {MEMBER_TTL_S:.0f}s)")
-
-    def stop(self) -> None:
-        """SIGTERM: finish the tick, give back the unpushed groups' slots and leave the fleet. A second
-        one exits at once (Redis may be gone, and the leave with it: the lease then expires)."""
-        if self.stopping:
-            log.warning("generator %s: second SIGTERM, exiting now", self.ident)
-            os._exit(143)
-        self.stopping = True
-        self.changed.set()
-
-    # -- the loop ----------------------------------------------------------------------------------------
-    async def run(self) -> None:
-        """Until the run stops, the launcher dies, failures pass the limit, or SIGTERM."""
-        parent, pump = os.getppid(), asyncio.create_task(self.pump.run())
-        last_report = time.monotonic()
-        try:
-            while not self.stopping and not self.control.stop_requested() and os.getppid() == parent:
-                if pump.done():
-                    break
-                if self.crashed is not None:
-                    raise self.crashed
-                self.heartbeat()  # first: a generator without a lease must not claim or push
-                self.fleet = max(1, len(self.control.members("generator")))
-                self.maybe_evaluate()  # 1
-                self.admit()  # 2
-                if time.monotonic() - last_report >= REPORT_S:
-                    self.report()
-                    last_report = time.monotonic()
-                if self.failures.exceeded:
-                    self.fail_run()
-                    break
-                self.changed.clear()
-                try:
-                    await asyncio.wait_for(self.changed.wait(), TICK_S)
-                except TimeoutError:
-                    pass
-            if pump.done():
-                pump.result()  # the engine failed: raise its error
-        except LeaseLost:
-            self.lease = None  # the reaper gave this generator's slots back already
-            raise
-        finally:
-            await self.shutdown(pump)
-            with contextlib.suppress(Exception):  # best effort: the run may be ending because Redis died
-                self.report()  # the last interval's figures, the episodes just cancelled too
-                if self.lease is not None:
-                    self.control.leave("generator", self.ident, self.lease)
-
-    def fail_run(self) -> None:
-        message = f"generator {self.ident}: {self.failures.message()}"
-        log.error("%s; stopping the run. The last failure:\n%s", message, self.failures.last_failure.traceback)
-        self.control.set_meta("fatal", message)
-        self.control.request_stop("failed")
-
-    async def shutdown(self, pump: asyncio.Task) -> None:
-        """Cancel every episode; the slots of their groups go back as ``abandoned``."""
-        unfinished = [t for t in self.groups if not t.done()]
-        for task in [*unfinished, *([self.evaluating] if self.evaluating else [])]:
-            task.cancel()
-        await asyncio.gather(*unfinished, return_exceptions=True)
-        if self.lease is not None:  # else the reaper took and gave back this generator's slots
-            self.buffer.release_held(self.ident)  # the unfinished groups'
-        pump.cancel()
-        await asyncio.gather(pump, return_exceptions=True)
-        if self.pool is not None:
-            await self.pool.aclose()
-        close = getattr(self.reward_fn, "close", None)  # a remote reward's connections
-        if close is not None and is_async(close):
-            await close()
 
 
 async def _serve(cfg: Config, ident: str, engine, buffer, control, tokenizer, subscriber) -> None:
@@ -446,6 +70,8 @@ def serve(cfg: Config, ident: str, url: str, prefix: str, incarnation: int = 0) 
         loop.run_until_complete(_serve(cfg, ident, engine, buffer, control, tokenizer, subscriber))
     finally:
         threads.shutdown(wait=False, cancel_futures=True)  # asyncio.run would wait for them
+        with contextlib.suppress(Exception):  # async generators' cleanup: a RemoteEnv's HTTP session closes
+            loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
         subscriber.close()
         buffer.close()

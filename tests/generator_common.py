@@ -23,7 +23,7 @@ def make_generator(cfg, engine, control, subscriber, model_dir, buffer=None):
     """A Generator of ``cfg`` around ``engine`` (id "0"), on ``buffer`` (default: a MemoryBuffer)."""
     from transformers import AutoTokenizer
 
-    from asyncrl.generators.worker import Generator
+    from asyncrl.generators.generator import Generator
 
     return Generator(
         cfg,

@@ -15,7 +15,11 @@ mapping of named parts that sum to it)::
 
 Or a gym-shaped :class:`Env` (``reset(task, seed)``, ``step(action) -> observation, reward, done,
 info``, ``close()``; async or plain), which :func:`env_episode` wraps into one; its per-turn rewards
-sum to the episode's. ``episode.function`` in the config names either by import path. Each episode
+sum to the episode's. ``episode.function`` in the config names either by import path. An Env whose
+state lives outside the generator (``RemoteEnv``: a session in ``asyncrl env-serve``) may also have
+``journal() -> dict | None`` and ``resume(state)``: then its episodes outlive their generator
+(``asyncrl.generators.journal``): after each completed turn the episode's state is kept, and a
+generator that takes the group over goes on from there. Each episode
 gets its own Env instance; nothing is shared between episodes. Where each piece of user code runs
 (``async`` on the event loop, plain in killable worker processes) is ``asyncrl.episodes.user_code``'s.
 
@@ -110,6 +114,30 @@ class Context:
         self.tool_failures: collections.Counter[str] = collections.Counter()
         self._last_turn: list[int] = []
         self._engine_since: float | None = None  # a turn waits for the engine since then
+        # outliving the generator (asyncrl.generators.journal): where to keep this episode's state after
+        # each turn, the state it resumes from, and whether a cancellation hands it over (keep its session)
+        self.keep: Callable[[dict], None] | None = None
+        self.resumed: dict | None = None
+        self.hand_over = False
+
+    # names of the sample's fields: a snapshot of them is the episode's record so far
+    _RECORD = ("tokens", "mask", "logprobs", "versions", "turns", "finish_reason", "turn_rewards", "_last_turn")
+
+    def snapshot(self) -> dict:
+        """The episode's record so far (its tokens, mask, log-probs, versions, turns, turn rewards,
+        tool failures), JSON-able; :meth:`restore` takes it back exactly."""
+        return {**{k: getattr(self, k) for k in self._RECORD}, "tool_failures": dict(self.tool_failures)}
+
+    def restart(self) -> None:
+        """Back to an empty record (the episode starts again)."""
+        self.restore({"tokens": [], "mask": [], "logprobs": [], "versions": [], "turns": 0, "finish_reason": "stop",
+                      "turn_rewards": [], "_last_turn": [], "tool_failures": {}})  # fmt: skip
+
+    def restore(self, record: dict) -> None:
+        for k in self._RECORD:
+            setattr(self, k, record[k])
+        self.turn_rewards = [(int(i), float(r)) for i, r in self.turn_rewards]
+        self.tool_failures = collections.Counter(record["tool_failures"])
 
     def own_seconds(self, since: float) -> float:
         """Wall time since ``since`` (a ``perf_counter``) less the time turns waited for the engine."""
@@ -252,30 +280,82 @@ def env_episode(
     """An episode that plays ``make_env()`` for up to ``max_turns`` model turns; the reward is the
     sum of the per-turn rewards (named ``reward``) or of the named parts a step's ``info['reward_parts']``
     gives, and each turn is credited with its own (``Context.reward_turn``). ``target``: the import
-    path of a plain environment class, built with ``options`` in a worker process of the run's pool."""
+    path of a plain environment class, built with ``options`` in a worker process of the run's pool.
+
+    An environment with ``journal()`` / ``resume()`` is journaled when the generator asks
+    (``Context.keep``): after its reset, after each model turn (with the action about to be sent) and
+    after each step. Resumed from a journal whose session is gone before its first answer, the
+    episode starts again from the beginning, in a new session."""
 
     async def episode(ctx: Context) -> dict[str, float]:
         env = await ctx.open_env(make_env, target, options or {})
+        user_env = env.env if isinstance(env, LocalEnv) else None
+        journaled = user_env if ctx.keep is not None and callable(getattr(user_env, "journal", None)) else None
         try:
-            first = await env.reset(ctx.task, ctx.seed)
-            if first:
-                ctx.observe(first)
-            parts: dict[str, float] = collections.defaultdict(float)
-            for _ in range(max_turns):
-                turn = await ctx.generate()
-                observation, reward, done, info = _step_result(await env.step(turn.text))
-                step_parts = rewards.reward_parts((info or {}).get("reward_parts", reward))
-                for name, value in step_parts.items():
-                    parts[name] += value
-                ctx.reward_turn(sum(step_parts.values()))
-                if done:
-                    break
-                ctx.observe(observation)
-            return dict(parts) or {"reward": 0.0}
+            if journaled is not None and ctx.resumed is not None:
+                journaled.resume(ctx.resumed["env"])
+                try:
+                    return await _play(ctx, env, max_turns, journaled, ctx.resumed)
+                except _SessionGone:
+                    ctx.restart()
+            return await _play(ctx, env, max_turns, journaled)
+        except asyncio.CancelledError:
+            if journaled is not None and ctx.hand_over:  # another generator goes on with this session
+                env = None
+            raise
         finally:
-            await _quietly(env.close())
+            if env is not None:
+                await _quietly(env.close())
 
     return episode
+
+
+class _SessionGone(Exception):
+    """A resumed episode's session was gone before it answered anything (``env_lost``)."""
+
+
+async def _play(
+    ctx: Context, env: LocalEnv | PooledEnv, max_turns: int, journaled: Any, resumed: dict | None = None
+) -> dict[str, float]:
+    """The turns of :func:`env_episode`, from the beginning or from ``resumed``; ``journaled``: the
+    environment whose ``journal()`` goes into ``ctx.keep`` after each turn (None: nothing is kept)."""
+    parts: dict[str, float] = collections.defaultdict(float)
+    action: str | None = None  # a model turn's text not yet answered by the environment
+    if resumed is not None:
+        ctx.restore(resumed["ctx"])
+        parts.update(resumed["parts"])
+        action = resumed["action"]
+    else:
+        first = await env.reset(ctx.task, ctx.seed)
+        if first:
+            ctx.observe(first)
+
+    def keep() -> None:
+        if journaled is not None:
+            ctx.keep({"ctx": ctx.snapshot(), "parts": parts, "action": action, "env": journaled.journal()})
+
+    keep()
+    answered = False
+    while action is not None or ctx.turns < max_turns:
+        if action is None:
+            action = (await ctx.generate()).text
+            keep()
+        try:
+            observation, reward, done, info = _step_result(await env.step(action))
+        except EpisodeFailure as failure:
+            if resumed is not None and not answered and failure.cause == "env_lost":
+                raise _SessionGone from failure
+            raise
+        answered, action = True, None
+        step_parts = rewards.reward_parts((info or {}).get("reward_parts", reward))
+        for name, value in step_parts.items():
+            parts[name] += value
+        ctx.reward_turn(sum(step_parts.values()))
+        if done:
+            break
+        ctx.observe(observation)
+        keep()
+    return dict(parts) or {"reward": 0.0}
 
 
 def _step_result(result: Any) -> tuple[Any, float, bool, dict]:
@@ -332,11 +412,25 @@ def load_episode(cfg: EpisodeConfig) -> tuple[Episode, dict[str, Tool], Callable
         return (tool_episode(cfg.max_turns) if tools else single_turn), tools, parser
     obj = import_by_path(cfg.function)
     if inspect.isclass(obj):
+        _check_options(obj, cfg.function, cfg.options)
         target = plain_env_target(obj, cfg.function) if cfg.plain_code == "process" else None
         return env_episode(functools.partial(obj, **cfg.options), cfg.max_turns, target, cfg.options), tools, parser
     if not inspect.iscoroutinefunction(obj):
         raise UserError(f"episode.function {cfg.function!r} must be an `async def` episode or an Env class")
     return obj, tools, parser
+
+
+def _check_options(cls: type, name: str, options: dict) -> None:
+    """``episode.options`` must fit the Env class's constructor: else the run stops at launch with one
+    line, not with every episode failing alike (``env_error``) until the failure limit trips."""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # a constructor that hides its signature: its first episode tells
+        return
+    try:
+        signature.bind(**options)
+    except TypeError as exc:
+        raise UserError(f"episode.options {sorted(options)} do not fit {name}{signature}: {exc}") from None
 
 
 # ----------------------------------------------------------------------------------- running one

@@ -20,8 +20,9 @@ Protocol ``asyncrl.env`` version 1 (JSON over HTTP/1.1, UTF-8; every request car
 
     A fault of the environment is a 200 answer {"schema", "version", "id", "error": one line, "cause"}:
     env_error (it raised, or its constructor did), env_timeout (no answer within --deadline-s: its worker
-    was killed), env_crash (its worker died), env_memory (its worker passed --memory-mb) or env_lost (its
-    worker was killed for another session's hang). After any cause but env_error the session is gone.
+    was killed), env_crash (its worker died under this step, and again when run alone), env_memory (its
+    worker passed --memory-mb) or env_lost (its worker died for another session and its replay failed:
+    ``asyncrl.episodes.pool_sessions``). After any cause but env_error the session is gone.
     400 not JSON, nested over 64 levels, another schema or version, an unknown, missing or mistyped field
     401 no or wrong token    404 no such session: closed, idle past its lease, or the server restarted
     408 the body did not arrive in time (5 s + its size at 1 MiB/s)    409 the id was seen with another
@@ -133,7 +134,8 @@ class Service:
         self.sessions: dict[str, _Session] = {}
         self.cache: OrderedDict[str, tuple[str, asyncio.Future]] = OrderedDict()  # id -> (digest, answer)
         self.computing: set[asyncio.Future] = set()
-        self.counts = collections.Counter(dict.fromkeys(("opened", "closed", "expired", "ended", "resets", "steps"), 0))
+        names = ("opened", "closed", "expired", "ended", "resets", "steps", "repeats")  # repeats: answered from cache
+        self.counts = collections.Counter(dict.fromkeys(names, 0))
         self.faults: collections.Counter[str] = collections.Counter()
         self._tasks: set[asyncio.Task] = set()  # background closes and the lease keeper
         self.stopping = False
@@ -230,6 +232,7 @@ class Service:
             if seen != digest:
                 raise _Refused(409, f"id {rid!r} was already used for a different request")
             self.cache.move_to_end(rid)
+            self.counts["repeats"] += 1
         elif len(self.computing) >= MAX_PENDING:
             raise _Refused(429, f"{len(self.computing)} requests computing; retry later")
         else:

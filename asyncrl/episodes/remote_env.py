@@ -18,8 +18,15 @@ server answers it from its cache. Nothing else is retried. Failures are
   until the deadline: ``env_error`` naming the URL (without its token).
 
 After a server restart the old sessions are gone (``env_lost``) and the next episode simply opens a
-new one. The token comes from the URL's password, else ``$ASYNCRL_ENV_TOKEN``; it is sent only in
-the Authorization header, never in a message or repr.
+new one.
+
+Resuming. A session outlives its client: :meth:`RemoteEnv.journal` is what another process needs to go
+on with it (the session id, and the request id the next step will use, fixed before the step is sent),
+and :meth:`RemoteEnv.resume` takes it up. A step that was sent by a generator that died before the
+answer came is sent again by the resumer under the same id, so the environment steps once.
+
+The token comes from the URL's password, else ``$ASYNCRL_ENV_TOKEN``; it is sent only in the
+Authorization header, never in a message or repr.
 
 Concurrency: a RemoteEnv belongs to one episode on one event loop. Every RemoteEnv on a loop shares
 one HTTP session (one connection pool), closed on that loop when the loop shuts its async generators
@@ -84,6 +91,7 @@ class RemoteEnv:
             )
         self.session: str | None = None  # the server's session id, from reset until close
         self._ended = False  # the server ended the session (or cannot be reached): close sends nothing
+        self._step_id = uuid.uuid4().hex  # the next step's request id (journaled before it is sent)
 
     def __repr__(self) -> str:
         return f"RemoteEnv({self.url!r}, timeout_s={self.timeout_s:g}, session={self.session!r})"
@@ -104,11 +112,26 @@ class RemoteEnv:
         """One model turn -> ``(observation, reward, done, info)`` from the server's environment."""
         if self.session is None:
             raise EpisodeFailure("env_error", "step() before reset()")
-        answer = await self._call(f"/sessions/{self.session}/step", {"action": action}, self._deadline())
+        try:
+            answer = await self._call(
+                f"/sessions/{self.session}/step", {"action": action}, self._deadline(), self._step_id
+            )
+        finally:
+            self._step_id = uuid.uuid4().hex
         missing = [k for k in ("observation", "reward", "done", "info") if k not in answer]
         if missing:
             raise EpisodeFailure("env_error", f"{self.url} answered a step without {', '.join(missing)}")
         return answer["observation"], answer["reward"], answer["done"], answer["info"]
+
+    def journal(self) -> dict | None:
+        """What :meth:`resume` needs to go on with this session elsewhere; None before reset."""
+        if self.session is None or self._ended:
+            return None
+        return {"session": self.session, "step_id": self._step_id}
+
+    def resume(self, state: dict) -> None:
+        """Go on with the session a :meth:`journal` describes (its next step under the journaled id)."""
+        self.session, self._step_id, self._ended = str(state["session"]), str(state["step_id"]), False
 
     async def close(self) -> None:
         """Close the session (its environment's ``close()`` runs on the server). Idempotent."""
@@ -126,9 +149,9 @@ class RemoteEnv:
     def _deadline(self) -> float:
         return asyncio.get_running_loop().time() + self.timeout_s * OWN_SHARE
 
-    async def _call(self, path: str, fields: dict, deadline: float) -> dict:
+    async def _call(self, path: str, fields: dict, deadline: float, request_id: str | None = None) -> dict:
         """The server's answer to one request (its retries share its id); EpisodeFailure for a fault."""
-        request_id = uuid.uuid4().hex
+        request_id = request_id or uuid.uuid4().hex
         try:
             message = {"schema": SCHEMA, "version": VERSION, "id": request_id, **fields}
             body = json.dumps(message, allow_nan=False).encode()

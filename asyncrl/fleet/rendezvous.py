@@ -40,9 +40,11 @@ def watch_fleet(control, buffer, known: set[str], log) -> set[str]:
     import time
 
     for ident, groups in control.reap("generator").items():
-        log(f"generator {ident} stopped renewing its lease: gone; {groups} unpushed groups given back")
-        if groups:
-            buffer.release(groups)
+        released = buffer.release_held(ident, resume=True, reaped=groups)  # journaled ones are resumed
+        log(
+            f"generator {ident} stopped renewing its lease: gone; {released} unpushed groups given back, "
+            f"{groups - released} to resume"
+        )
     fleet = set(control.members("generator"))
     if fleet != known:
         change = ", ".join(

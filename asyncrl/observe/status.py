@@ -189,6 +189,7 @@ def collect_status(source: Source, buffer: RedisBuffer, control: RunControl, now
             **counters,
             "lost": lost_groups(stats),
             "unfinished": unfinished_groups(stats),
+            "orphans": buffer.orphans(),  # unfinished, their generator dead: the next with room resumes them
             "live": live_groups(stats),
             "stream_length": int(client.xlen(control.keys.traj)),
         },
@@ -313,6 +314,7 @@ def render(st: dict, console) -> None:
 
 _BUFFER_ROWS = (
     ("admission", ("started", "replayed", "abandoned", "failed", "unfinished", "live")),
+    ("resuming", ("orphans", "resumed")),  # groups of dead generators (asyncrl.generators.journal)
     ("pushes", ("pushed", "duplicates")),
     ("outcomes", ("trained", "dropped_stale", "filtered", "dead")),
     ("in stream", ("queued", "pending", "stream_length")),  # + lost, in red when not 0

@@ -267,8 +267,9 @@ class Launcher:
         return f"{self.cfg.run.host}:{self.redis.port}"
 
     def release_held(self, c: Child) -> None:
-        """A dead generator's admitted-but-unpushed groups would hold admission slots forever."""
-        self.buffer.release_held(str(c.ident))
+        """A dead generator's admitted-but-unpushed groups would hold admission slots forever; those with
+        a journal (``asyncrl.generators.journal``) are resumed by the next generator with room."""
+        self.buffer.release_held(str(c.ident), resume=True)
 
     def restart_learners(self, control: RunControl, failed: Child) -> None:
         code = failed.proc.returncode
@@ -416,8 +417,8 @@ class Launcher:
                     f"asyncrl generator --redis {self.run_info['redis_address']}"
                 )
             self.spawn(config_path, url, prefix)
-            # beside the children's start-up, on threads: the prompts' lengths (transformers, the tokenizer) and the
-            # shared-memory weights of any earlier run on this host whose learner was killed (the weight bus: torch)
+            # beside the children's start-up, on threads: the prompts' lengths (the tokenizer; transformers where it
+            # needs that) and the shared-memory weights of any earlier run on this host whose learner was killed
             self.chores = [in_background(check_prompt_lengths, cfg), in_background(self.remove_stale_weights)]
             if cfg.run.remote_learners:  # where `asyncrl learner` ranks meet the launcher's
                 control.set_meta(MASTER_FIELD, self.learner_master)

@@ -98,6 +98,6 @@ def reset_for_resume(control, buffer, eval_points_done: set[int]) -> dict[str, i
     control.forget_meta("final_version")
     control.forget_meta("fatal")  # a run stopped by its failure limit gets another chance
     control.forget_heartbeats()
-    unpushed = buffer.release_held()  # every producer's: none of them survived
+    unpushed = buffer.release_held(resume=True)  # every producer's (none survived); journaled ones resume
     evals = control.forget_eval_claims(keep=eval_points_done)
     return {"released_slots": unpushed, "eval_claims_dropped": evals}

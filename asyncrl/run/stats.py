@@ -85,6 +85,7 @@ class RunStats:
         self.episodes = 0  # episodes generators finished (each report counts its own)
         self.failures: collections.Counter[str] = collections.Counter()  # failed episodes by cause
         self.tool_failures: collections.Counter[str] = collections.Counter()  # failed tool calls by cause
+        self.taken_over = {"groups": 0, "turns": 0}  # resumed from generators that died (generators.journal)
         self.generator_peaks = {"threads": 0, "child_processes": 0}  # of any one generator process
         self.error: str | None = None
         self.buffer: dict | None = None  # the buffer's counters at the end (pushed, trained, ..., lost)
@@ -224,6 +225,8 @@ class RunStats:
             self.tool_failures.update(
                 {k.removeprefix("tools/"): int(v) for k, v in record.items() if k.startswith("tools/")}
             )
+            for name in self.taken_over:
+                self.taken_over[name] += int(record.get(f"episodes/{name}_resumed", 0))
             for name in self.generator_peaks:
                 peak = int(record.get(f"generator/{name}_peak", 0))
                 self.generator_peaks[name] = max(self.generator_peaks[name], peak)
@@ -281,6 +284,7 @@ class RunStats:
             "episodes": self.episodes,
             "episodes_failed": dict(sorted(self.failures.items())),
             "tool_calls_failed": dict(sorted(self.tool_failures.items())),
+            "episodes_resumed": self.taken_over,
             "generator_peaks": self.generator_peaks,
             "weights_sync_seconds": _quantiles(self.sync_seconds),
             "staleness_histogram": {str(k): v for k, v in sorted(self.staleness_histogram.items())},
@@ -320,7 +324,8 @@ def final_buffer_stats(buffer, say) -> dict | None:
     except Exception as exc:
         say(f"buffer statistics unavailable at the end: {exc}")
         return None
-    return {**counts, "lost": lost_groups(counts), "unfinished": unfinished_groups(counts)}
+    orphans = buffer.orphans()  # unfinished groups a later generator (or --resume) can take up where they were
+    return {**counts, "lost": lost_groups(counts), "unfinished": unfinished_groups(counts), "orphans": orphans}
 
 
 def summary_line(name: str, summary: dict, run_dir: Path) -> str:

@@ -96,3 +96,23 @@ class SleepyEnv:
         time.sleep(self.latency_s)
         self.done += 1
         return "ok", 0.0, self.done >= self.steps, {}
+
+
+class LoggedGuessEnv(guess.Env):
+    """``asyncrl.demo.guess.Env`` (async, its latency options) that appends one line per step it runs to
+    ``log``: ``<episode seed> <step> <action>``. The same seed and step twice is a step run again."""
+
+    def __init__(self, log: str, latency_s: float = 0.0, latency_sigma: float = 0.0):
+        super().__init__(latency_s, latency_sigma)
+        self.log, self.seed, self.steps = log, 0, 0
+
+    async def reset(self, task: dict, seed: int) -> None:
+        await super().reset(task, seed)
+        self.seed, self.steps = seed, 0
+
+    async def step(self, action: str) -> tuple[str, float, bool, dict]:
+        result = await super().step(action)
+        self.steps += 1
+        with open(self.log, "a") as f:
+            f.write(f"{self.seed} {self.steps} {action!r}\n")
+        return result

@@ -195,6 +195,40 @@ def test_a_producer_holds_what_it_was_admitted_for_until_it_pushes_or_releases(b
     assert (s["started"], s["pushed"], s["abandoned"], live_groups(s)) == (5, 1, 3, 2)
 
 
+def test_a_dead_producers_journaled_groups_become_orphans_that_keep_their_slots(buf: Buffer) -> None:
+    """Journaled groups outlive their producer: orphaned with their slots still taken, taken over once
+    (with the journal) by another producer, ended by its push; the others are given back as before."""
+    seqs = [buf.try_start_group(0, 2, 4, producer="a") for _ in range(3)]
+    assert buf.journal(seqs[0], "0", b'{"turns": 1}', "a") and buf.journal(seqs[0], "1", b"x", "a")
+    assert buf.journal(seqs[0], "0", b'{"turns": 2}', "a"), "a part is replaced"
+    assert buf.journal(seqs[1], "0", b"y", "a")
+    assert buf.release_held("a", resume=True) == 1, "the unjournaled group is given back"
+    assert buf.orphans() == 2 and live_groups(buf.stats()) == 2, "the orphans keep their slots"
+    assert not buf.journal(seqs[0], "0", b"late", "a"), "a stalled producer writes no more"
+    assert buf.take_orphan("b") == (seqs[0], {"0": b'{"turns": 2}', "1": b"x"})
+    assert buf.take_orphan("c") == (seqs[1], {"0": b"y"})
+    assert buf.take_orphan("c") is None and buf.orphans() == 0
+    assert not buf.journal(seqs[0], "0", b"z", "c") and buf.journal(seqs[0], "0", b"z", "b")
+    assert buf.push("g", b"frame", producer="b", seq=seqs[0])
+    buf.release(1, producer="c", reason="failed", seq=seqs[1])
+    assert buf.release_held("b", resume=True) == 0 and buf.release_held("c", resume=True) == 0
+    s = buf.stats()
+    assert (s["started"], s["pushed"], s["failed"], s["abandoned"], s["resumed"], live_groups(s)) == (3, 1, 1, 1, 2, 1)
+
+
+def test_orphans_are_given_back_when_nobody_will_resume_them(buf: Buffer) -> None:
+    """release_held of every producer without resume (the run goes on without them) gives the orphans back
+    too; with a count the fleet's reaper took already, only that many groups are orphaned."""
+    seqs = [buf.try_start_group(0, 2, 4, producer="a") for _ in range(2)]
+    for seq in seqs:
+        buf.journal(seq, "0", b"s", "a")
+    assert buf.release_held("a", resume=True) == 0 and buf.orphans() == 2
+    assert buf.release_held() == 2 and buf.orphans() == 0 and buf.take_orphan("b") is None
+    seq = buf.try_start_group(0, 2, 4, producer="b")
+    buf.journal(seq, "0", b"s", "b")
+    assert buf.release_held("b", resume=True, reaped=0) == 0 and buf.orphans() == 0, "it held none: no orphan"
+
+
 _ops = st.lists(
     st.one_of(
         st.tuples(st.just("start"), st.integers(0, 4)),

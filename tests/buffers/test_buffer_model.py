@@ -204,6 +204,15 @@ class Observed(Buffer):
     def release_held(self, *args, **kwargs):
         raise AssertionError("a consumer released a producer's slots")
 
+    def journal(self, *args, **kwargs):
+        raise AssertionError("a consumer journaled a group")
+
+    def take_orphan(self, *args, **kwargs):
+        raise AssertionError("a consumer took an orphan")
+
+    def orphans(self) -> int:
+        raise AssertionError("a consumer counted orphans")
+
     def set_version(self, v: int) -> None:
         raise AssertionError("a consumer published a version")
 

@@ -198,6 +198,11 @@ def test_load_episode_picks_env_classes_functions_and_the_defaults():
         load_episode(EpisodeConfig(tools=["episode_fixtures:reward_len"]))
 
 
+def test_env_options_that_do_not_fit_its_constructor_fail_at_load_in_one_line():
+    with pytest.raises(UserError, match=r"episode.options \['turn'\] do not fit episode_fixtures:CountingEnv"):
+        load_episode(EpisodeConfig(function="episode_fixtures:CountingEnv", options={"turn": 1}))
+
+
 def test_a_turn_text_ends_with_the_stop_string():
     """The tokens stay as sampled; the text the episode and the reward see ends at the stop string."""
     ctx = make_ctx(scripted("ab;cd"), stop=(";",))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from asyncrl.episodes.api import Outcome
 from asyncrl.generators.evaluation import eval_points, eval_record, points_reached
-from asyncrl.generators.worker import Generator
+from asyncrl.generators.generator import Generator
 
 
 def test_eval_points_are_the_first_version_every_eval_every_and_the_last():

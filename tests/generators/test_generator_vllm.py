@@ -333,3 +333,59 @@ def test_a_reload_does_not_warn_of_the_rotary_cache(engine, tiny_model_dir):
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["another warning"]
+
+
+class PollSwitchFeed:
+    """Serves ``states[5]``; offers ``states[6]`` at its ``polls``-th poll (the pump polls once a pass)."""
+
+    def __init__(self, states: dict, polls: int):
+        self.states, self.polls, self.version, self.probe_ids = states, polls, 5, None
+
+    def newer(self, timeout_ms: int = 0):
+        self.polls -= 1
+        return (6, self.states[6]) if self.version == 5 and self.polls <= 0 else None
+
+    def engine_tensors(self, update):
+        return update[1]
+
+    def applied(self, update, seconds, probe=None):
+        self.version = update[0]
+
+
+def test_an_n_sample_request_split_at_an_update_keeps_versions_and_logprobs_exact(engine, tiny_model_dir):
+    """complete_many as one vLLM request of n samples; version 6 arrives mid-request under ``continue``: every
+    sample goes on alone, each token's log-prob is the learner's under the version it carries, and vLLM
+    keeps no record of the split request."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.generators.engine import Sampling
+    from asyncrl.generators.scheduler import EnginePump
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    torch.manual_seed(3)
+    states = {v: {k: t + 0.05 * torch.randn_like(t) for k, t in base.items()} for v in (5, 6)}
+    engine.load_weights(states[5])
+    prompt = [1, 7, 12, 30, 9]
+    pump = EnginePump(engine, PollSwitchFeed(states, polls=4), "continue")
+
+    async def scenario():
+        runner = asyncio.create_task(pump.run())
+        try:
+            return await pump.complete_many(prompt, Sampling(1, 1.0, 1.0, 10), 4)
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    comps = asyncio.run(scenario())
+    assert len(comps) == 4 and any({5, 6} <= set(c.versions) for c in comps), [c.versions for c in comps]
+    for c in comps:
+        assert len(c.tokens) == len(c.logprobs) == len(c.versions) and c.versions == sorted(c.versions)
+        for v in (5, 6):
+            mine = np.asarray(c.versions) == v
+            if mine.any():
+                ref = learner_logprobs(states[v], tiny_model_dir, prompt, c.tokens)
+                assert np.abs(ref[mine] - np.asarray(c.logprobs)[mine]).max() < 1e-4
+    processor = engine.llm.llm_engine.output_processor
+    assert not processor.parent_requests and not engine._parents and not engine.llm.llm_engine.has_unfinished_requests()

@@ -63,3 +63,22 @@ def test_hf_engine_truncates_and_stops_as_asked(tmp_path):
     assert cut.finish_reason == "stop" and free.tokens[: len(cut.tokens)] == cut.tokens
     assert stop_at(tok.decode(cut.tokens, skip_special_tokens=True), [stop]) is not None
     assert stop_at(tok.decode(cut.tokens[:-1], skip_special_tokens=True), [stop]) is None
+
+
+def test_hf_engine_reports_an_n_sample_request_per_sample(tmp_path):
+    """One request of n samples: each sample once, finished, under the request's id with its index; with
+    greedy sampling every sample is the single request's completion."""
+    tok = build_tokenizer()
+    build_model(tok, seed=0).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    cfg = load_config(None, {"model.path": str(tmp_path), "model.recipe": None, "generator.engine.type": "hf"})
+    engine = HfEngine(cfg.model, seed=0)
+    assert engine.multi_sample
+    prompt = tok.encode("sort:dcba=")
+    engine.add_request("one", prompt, Sampling(1, 0.0, 1.0, 6))
+    engine.add_request("many", prompt, Sampling(3, 0.0, 1.0, 6))
+    outs = engine.step()
+    (one,) = [o for o in outs if o.request_id == "one"]
+    many = [o for o in outs if o.request_id == "many"]
+    assert [o.index for o in many] == [0, 1, 2] and all(o.finished for o in many)
+    assert all(o.tokens == one.tokens and o.logprobs == one.logprobs for o in many)

@@ -1,6 +1,7 @@
 """The engine pump's rules against a scripted engine: turns submitted as episodes ask, weights applied
-between steps as on_weight_update says (continue / abort / wait), held during an evaluation, and the
-requests of cancelled episodes aborted. The real engine is tested in tests/generators/test_generator_vllm.py."""
+between steps as on_weight_update says (continue / abort / wait), held during an evaluation, the
+requests of cancelled episodes aborted, and a group's n samples of one prompt as one n-sample request
+split per sample at an update. The real engine is tested in tests/generators/test_generator_vllm.py."""
 
 from __future__ import annotations
 
@@ -27,17 +28,22 @@ class CountingEngine(Engine):
         self.added: list[tuple[str, list[int]]] = []
 
     def add_request(self, request_id, prompt, sampling):
-        self.live[request_id] = [list(prompt), sampling.max_new_tokens, 0]
-        self.added.append((request_id, list(prompt)))
+        assert sampling.n == 1 or self.multi_sample, "n samples asked of an engine without multi_sample"
+        self.live[request_id] = [list(prompt), sampling.max_new_tokens, 0, set(range(sampling.n))]
+        self.added.append((request_id, list(prompt), sampling.n))
 
     def step(self):
         self.steps += 1
         outs = []
         for rid, req in list(self.live.items()):
             req[2] += 1
-            done = req[2] >= req[1]
-            outs.append(StepOutput(rid, [100 * self.loaded + req[2]], [-float(self.loaded)], done, "length"))
-            if done:
+            for i in sorted(req[3]):  # sample i of an n-sample request stops i tokens early
+                done = req[2] >= req[1] - i
+                reason = "stop" if i else "length"
+                outs.append(StepOutput(rid, [100 * self.loaded + req[2]], [-float(self.loaded)], done, reason, i))
+                if done:
+                    req[3].discard(i)
+            if not req[3]:
                 del self.live[rid]
         return outs
 
@@ -48,6 +54,10 @@ class CountingEngine(Engine):
 
     def load_weights(self, tensors):
         self.loaded = tensors["v"]
+
+
+class MultiCountingEngine(CountingEngine):
+    multi_sample = True
 
 
 @dataclasses.dataclass
@@ -168,3 +178,138 @@ def test_turns_are_batched_as_they_come_and_the_engine_idles_without_any():
     comps = asyncio.run(run_turns(pump, [[i] for i in range(5)]))
     assert engine.steps == 4 and all(c.tokens == [1, 2, 3, 4] for c in comps)  # one batch of 5
     assert pump.take_idle_fraction() is not None
+
+
+# -- n samples of one prompt ------------------------------------------------------------------------------
+async def run_many(pump: EnginePump, prompt: list[int], n: int, sampling=SAMPLING):
+    runner = asyncio.create_task(pump.run())
+    try:
+        return await pump.complete_many(prompt, sampling, n)
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+
+
+def test_n_samples_of_one_prompt_are_one_request_each_reported_by_its_index():
+    engine = MultiCountingEngine()
+    pump = EnginePump(engine, ScriptedFeed(engine, at=10**9), "continue")
+    comps = asyncio.run(run_many(pump, [9], 3))
+    assert engine.added == [("turn-0", [9], 3)] and engine.steps == 4
+    assert [c.tokens for c in comps] == [[1, 2, 3, 4], [1, 2, 3], [1, 2]]  # sample i stopped i early
+    assert [c.finish_reason for c in comps] == ["length", "stop", "stop"]
+    assert all(c.versions == [0] * len(c.tokens) for c in comps) and not pump._live
+
+
+def test_an_engine_without_multi_sample_gets_n_requests():
+    engine = CountingEngine()
+    pump = EnginePump(engine, ScriptedFeed(engine, at=10**9), "continue")
+    comps = asyncio.run(run_many(pump, [9], 3))
+    assert [(p, n) for _, p, n in engine.added] == [([9], 1)] * 3 and engine.steps == 4
+    assert all(c.tokens == [1, 2, 3, 4] for c in comps)
+
+
+def test_continue_splits_a_running_n_sample_request_per_sample():
+    """At the update the request is aborted; each unfinished sample goes on alone from its own tokens
+    (their new tokens of the new version), a sample that had finished keeps its completion."""
+    engine = MultiCountingEngine()
+    pump = EnginePump(engine, ScriptedFeed(engine, at=2), "continue")
+    a, b, c = asyncio.run(run_many(pump, [9], 3))
+    assert engine.aborted == ["turn-0"]
+    assert engine.added[1:] == [("turn-1", [9, 1, 2], 1), ("turn-2", [9, 1, 2], 1)]
+    assert c.tokens == [1, 2] and c.versions == [0, 0] and c.finish_reason == "stop"  # done before the update
+    for x in (a, b):
+        assert x.tokens == [1, 2, 101, 102] and x.versions == [0, 0, 1, 1] and x.logprobs == [0, 0, -1, -1]
+
+
+def test_abort_restarts_the_unfinished_samples_of_an_n_sample_request():
+    engine = MultiCountingEngine()
+    pump = EnginePump(engine, ScriptedFeed(engine, at=2), "abort")
+    a, b, c = asyncio.run(run_many(pump, [9], 3))
+    assert engine.added[1:] == [("turn-1", [9], 1), ("turn-2", [9], 1)]
+    assert c.tokens == [1, 2] and c.versions == [0, 0]
+    assert a.tokens == b.tokens == [101, 102, 103, 104] and a.versions == b.versions == [1] * 4
+
+
+def test_wait_lets_an_n_sample_request_finish_under_its_version():
+    engine = MultiCountingEngine()
+    pump = EnginePump(engine, ScriptedFeed(engine, at=1), "wait")
+
+    async def scenario():
+        runner = asyncio.create_task(pump.run())
+        first = await pump.complete_many([1], SAMPLING, 2)
+        second = await pump.complete_many([2], SAMPLING, 2)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert [c.versions for c in first] == [[0] * 4, [0] * 3] and [c.versions for c in second] == [[1] * 4, [1] * 3]
+    assert engine.aborted == [] and [n for *_, n in engine.added] == [2, 2]
+
+
+def test_a_cancelled_n_sample_request_is_aborted_whole():
+    engine = MultiCountingEngine()
+    pump = EnginePump(engine, ScriptedFeed(engine, at=10**9), "continue")
+
+    async def scenario():
+        runner = asyncio.create_task(pump.run())
+        many = asyncio.create_task(pump.complete_many([1], Sampling(1, 1.0, 1.0, 10**6), 4))
+        while engine.steps < 3:
+            await asyncio.sleep(0)
+        many.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await many
+        while engine.live:
+            await asyncio.sleep(0)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert engine.aborted == ["turn-0"] and not engine.live and not pump._live
+
+
+def test_single_turns_and_n_sample_requests_share_the_steps():
+    engine = MultiCountingEngine()
+    pump = EnginePump(engine, ScriptedFeed(engine, at=10**9), "continue")
+
+    async def scenario():
+        runner = asyncio.create_task(pump.run())
+        try:
+            return await asyncio.gather(pump.complete([5], SAMPLING), pump.complete_many([6], SAMPLING, 2))
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    single, many = asyncio.run(scenario())
+    assert engine.steps == 4 and single.tokens == [1, 2, 3, 4] and [c.tokens for c in many] == [[1, 2, 3, 4], [1, 2, 3]]
+
+
+def test_a_groups_single_turns_share_one_n_sample_request():
+    """GroupTurns: the n episodes' first turns are one request; a turn of another context or limit, and one
+    past the n-th, are requests of their own; one episode's cancellation leaves its siblings' samples."""
+    from asyncrl.generators.scheduler import GroupTurns
+
+    engine = MultiCountingEngine()
+    pump = EnginePump(engine, ScriptedFeed(engine, at=10**9), "continue")
+
+    async def scenario():
+        runner = asyncio.create_task(pump.run())
+        shared = GroupTurns(pump, [9], SAMPLING, 3)
+        try:
+            quitter = asyncio.create_task(shared([9], 4))
+            firsts = [asyncio.create_task(shared([9], 4)) for _ in range(2)]
+            while engine.steps < 1:
+                await asyncio.sleep(0)
+            quitter.cancel()
+            others = await asyncio.gather(shared([9, 1], 4), shared([9], 2), shared([9], 4))
+            return await asyncio.gather(*firsts), others, quitter.cancelled()
+        finally:
+            shared.cancel()
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    firsts, others, quit = asyncio.run(scenario())
+    assert quit and engine.added[0] == ("turn-0", [9], 3)
+    assert sorted((p, n) for _, p, n in engine.added[1:]) == [([9], 1), ([9], 1), ([9, 1], 1)]
+    assert [c.tokens for c in firsts] == [[1, 2, 3], [1, 2]]  # samples 1 and 2: sample 0 was the quitter's
+    assert [len(c.tokens) for c in others] == [4, 2, 4] and engine.aborted == []

@@ -66,12 +66,14 @@ EXPECTED_BUFFER = {
     "filtered": 0,
     "dead": 3,
     "replayed": 1,
+    "resumed": 0,
     "foreign": 0,
     "queued": 1,
     "pending": 1,
     "foreign_in_buffer": 0,
     "lost": 0,
     "unfinished": 0,  # 8 started - 7 pushed - 1 abandoned - 0 failed
+    "orphans": 0,
     "live": 4,  # 8 started + 1 replayed - 1 abandoned - 1 stale - 3 dead
     "stream_length": 2,
 }

@@ -88,8 +88,8 @@ def test_text_hides_the_probe_arrays(redis_server):
 def test_every_counter_of_a_hand_made_snapshot_is_in_the_text():
     buffer = {
         "started": 20, "pushed": 18, "duplicates": 1, "abandoned": 2, "failed": 0, "trained": 9,
-        "dropped_stale": 3, "filtered": 4, "dead": 0, "replayed": 5, "foreign": 11, "queued": 1, "pending": 1,
-        "foreign_in_buffer": 0, "lost": 0, "unfinished": 0, "live": 7, "stream_length": 2,
+        "dropped_stale": 3, "filtered": 4, "dead": 0, "replayed": 5, "resumed": 6, "foreign": 11, "queued": 1,
+        "pending": 1, "foreign_in_buffer": 0, "lost": 0, "unfinished": 0, "orphans": 13, "live": 7, "stream_length": 2,
     }  # fmt: skip
     snapshot = {
         "run_id": "r-1", "prefix": "asyncrl:{r-1}:", "redis": "127.0.0.1:1", "source": "live", "state": "running",
