@@ -172,9 +172,11 @@ class Buffer(ABC):
         If :func:`live_groups` ``< admission_limit(serving_version, k, B)``, increment ``started``
         and return the 0-based sequence number of the new group; else return None and change
         nothing. ``serving_version`` is the version the CALLER's engine serves, not the learner's
-        (see ``asyncrl/staleness.py``). Sequence numbers are unique and increasing. Calls with the
-        same ``token`` (default: a new one) are one request: a retry returns the first answer.
-        With a ``producer``, the admitted group is held by it (see :meth:`release_held`).
+        (see ``asyncrl/staleness.py``), or one it will serve before any turn of the group starts (an
+        update held back until running turns finish: ``EnginePump.next_version``). Sequence numbers are
+        unique and increasing. Calls with the same ``token`` (default: a new one) are one request: a
+        retry returns the first answer. With a ``producer``, the admitted group is held by it (see
+        :meth:`release_held`).
         """
 
     @abstractmethod

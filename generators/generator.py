@@ -15,7 +15,8 @@ samples their turns continuously. The loop, every ``TICK_S`` or when a group end
                until done: one version throughout)
   2. admit   - first take orphans (groups of a generator that died, with a journal: resumed from
                their episodes' last completed turns, ``asyncrl.generators.journal``), then claim
-               groups under admission control, keyed on the version the engine serves, while
+               groups under admission control, keyed on the version their turns will be sampled with
+               (the served one; under ``wait``, an update waiting for the running turns), while
                there is room for their episodes, the share sized by the live fleet; each claimed
                group runs as its own task: n episodes concurrently -> one trajectory group -> push,
                or ``failed``
@@ -113,7 +114,7 @@ class Generator:
         self.feed = WeightFeed(
             subscriber,
             self.metrics,
-            self.heartbeat,
+            self._served,
             version=0,
             probe_ids=probe.probe_ids(self.chat, self.records[0]),
             compare=lambda version, logprobs: probe.difference(control, version, logprobs),
@@ -354,10 +355,13 @@ class Generator:
         if room <= 0:
             return 0
         live = live_groups(self.buffer.stats())
-        share = claim_share(admission_limit(self.version, k, b) - live, self.fleet, room, b)
+        # keyed on the version the claimed groups' turns will be sampled with: an update waiting for the
+        # running turns to finish is that version, so admission does not wait for the drain as well
+        serving = self.pump.next_version
+        share = claim_share(admission_limit(serving, k, b) - live, self.fleet, room, b)
         claimed = 0
         while claimed < share:  # each claim is atomic; the share only spreads them
-            seq = self.buffer.try_start_group(self.version, k, b, producer=self.ident)
+            seq = self.buffer.try_start_group(serving, k, b, producer=self.ident)
             if seq is None:
                 break
             self._start(self.run_group(seq))
@@ -389,6 +393,12 @@ class Generator:
         if self.pool is not None:  # its replays and suspects (asyncrl.episodes.pool_sessions)
             record.update({f"generator/pool_{k}": v for k, v in self.pool.stats().items()})
         self.metrics.log({"generator/version": self.version, **record})
+
+    def _served(self, **fields) -> None:
+        """The engine serves a new version: say so in the fleet, and admit at once (admission is keyed on
+        the served version; the loop would otherwise wait for its next tick)."""
+        self.heartbeat(**fields)
+        self.changed.set()
 
     def heartbeat(self, **fields) -> None:
         """Renew this generator's lease in the fleet; a lost lease (it stalled past the lease's life and

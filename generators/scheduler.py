@@ -87,6 +87,12 @@ class EnginePump:
     def version(self) -> int:
         return self.feed.version
 
+    @property
+    def next_version(self) -> int:
+        """The version a turn queued now will be sampled with: under ``wait``, an update held back until
+        the running turns finish is that version (no new turn starts before it loads)."""
+        return self._waiting.version if self._waiting is not None else self.feed.version
+
     async def complete(self, prompt: list[int], sampling: Sampling) -> Completion:
         """One model turn of ``prompt``; every token with the version that produced it."""
         (completion,) = await self._submit((_Turn(list(prompt), sampling, asyncio.get_running_loop().create_future()),))
@@ -113,8 +119,10 @@ class EnginePump:
     @contextlib.asynccontextmanager
     async def hold(self):
         """No weights are applied while held (an evaluation must see one version); entered only
-        between updates, so ``version`` read inside is the one every turn will be sampled with."""
-        while self._applying:
+        between updates, so ``version`` read inside is the one every turn will be sampled with. Under
+        ``wait``, an update held back for the running turns lands first: held, it never would, and no
+        new turn (the holder's included) would ever start."""
+        while self._applying or self._waiting is not None:
             await asyncio.sleep(0.01)
         self._holds += 1
         try:

@@ -133,6 +133,29 @@ def test_wait_finishes_running_turns_first_and_starts_no_new_one_meanwhile():
     assert a.versions == [0, 0, 0, 0] and b.versions == [1, 1, 1, 1]
 
 
+def test_under_wait_a_held_back_update_is_the_version_new_turns_get_and_lands_before_a_hold():
+    """Admission keys on ``next_version`` (the waiting update's: turns queued now start after it loads),
+    and a hold entered meanwhile waits for it to land (held first, it never would: a deadlock)."""
+    engine = CountingEngine()
+    pump = EnginePump(engine, ScriptedFeed(engine, at=1), "wait")
+
+    async def scenario():
+        runner = asyncio.create_task(pump.run())
+        first = asyncio.create_task(pump.complete([1], SAMPLING))
+        while engine.steps < 2:
+            await asyncio.sleep(0)
+        waiting = (pump.version, pump.next_version)
+        async with pump.hold():
+            held = await asyncio.wait_for(pump.complete([2], SAMPLING), 30)
+        await first
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        return waiting, held
+
+    waiting, held = asyncio.run(scenario())
+    assert waiting == (0, 1) and held.versions == [1, 1, 1, 1]
+
+
 def test_no_weights_are_applied_while_held():
     engine = CountingEngine()
     feed = ScriptedFeed(engine, at=1)
