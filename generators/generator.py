@@ -81,7 +81,7 @@ from asyncrl.weights import WeightSubscriber
 
 log = logging.getLogger("asyncrl.generator")
 
-TICK_S = 0.2  # the loop's pace when nothing happens: heartbeats, admission after new weights
+TICK_S = 0.2  # the fleet's pace (stop flag, lease, fleet size, orphans), and the loop's when nothing happens
 REPORT_S = 2.0  # metrics interval: often enough for the progress line, rare enough for hundreds of episodes
 
 

@@ -73,6 +73,17 @@ class ModelTurn:
 class Context:
     """One episode's handle on the model, its tools and its record. Built by the generator."""
 
+    # the record: the sample, token by token, and its turns (what :meth:`snapshot` keeps)
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    turns: int
+    finish_reason: str
+    turn_rewards: list[tuple[int, float]]  # (index of a turn's last model token, its reward)
+    tool_failures: collections.Counter[str]
+    _last_turn: list[int]  # the last model turn's tokens, until an observation follows it
+
     def __init__(
         self,
         *,
@@ -100,19 +111,10 @@ class Context:
         self._pool = pool
         self._env_call, self._tool_call, self._reward_call = (caller(pool, k) for k in ("env", "tool", "reward"))
         self.options = cfg.options  # the run's episode.options
-        # the sample, token by token
-        self.tokens: list[int] = []
-        self.mask: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.turns = 0
-        self.finish_reason = "stop"
-        self.turn_rewards: list[tuple[int, float]] = []  # (index of a turn's last model token, its reward)
+        self.restart()  # an empty record
         # accounting
         self.engine_seconds = 0.0  # waiting for model turns (excluded from the episode's timeout)
         self.env_seconds: list[float] = []  # each environment step's duration
-        self.tool_failures: collections.Counter[str] = collections.Counter()
-        self._last_turn: list[int] = []
         self._engine_since: float | None = None  # a turn waits for the engine since then
         # outliving the generator (asyncrl.generators.journal): where to keep this episode's state after
         # each turn, the state it resumes from, and whether a cancellation hands it over (keep its session)
@@ -129,9 +131,10 @@ class Context:
         return {**{k: getattr(self, k) for k in self._RECORD}, "tool_failures": dict(self.tool_failures)}
 
     def restart(self) -> None:
-        """Back to an empty record (the episode starts again)."""
-        self.restore({"tokens": [], "mask": [], "logprobs": [], "versions": [], "turns": 0, "finish_reason": "stop",
-                      "turn_rewards": [], "_last_turn": [], "tool_failures": {}})  # fmt: skip
+        """An empty record: the episode's start (or its start again)."""
+        self.tokens, self.mask, self.logprobs, self.versions = [], [], [], []
+        self.turns, self.finish_reason, self.turn_rewards = 0, "stop", []
+        self.tool_failures, self._last_turn = collections.Counter(), []
 
     def restore(self, record: dict) -> None:
         for k in self._RECORD:

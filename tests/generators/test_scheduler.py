@@ -174,24 +174,30 @@ def test_no_weights_are_applied_while_held():
     assert held.versions == [0] * 6 and after.versions == [1] * 4
 
 
-def test_a_cancelled_turn_is_aborted_in_the_engine():
-    engine = CountingEngine()
-    pump = EnginePump(engine, ScriptedFeed(engine, at=10**9), "wait")
+def cancel_after_three_steps(engine: CountingEngine, pump: EnginePump, ask) -> None:
+    """Run ``ask()`` (a turn that would never end) for three engine steps, cancel it, and wait until the
+    engine holds no request."""
 
     async def scenario():
         runner = asyncio.create_task(pump.run())
-        turn = asyncio.create_task(pump.complete([1], Sampling(1, 1.0, 1.0, 10**6)))
+        asked = asyncio.create_task(ask())
         while engine.steps < 3:
             await asyncio.sleep(0)
-        turn.cancel()
+        asked.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await turn
+            await asked
         while engine.live:
             await asyncio.sleep(0)
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_a_cancelled_turn_is_aborted_in_the_engine():
+    engine = CountingEngine()
+    pump = EnginePump(engine, ScriptedFeed(engine, at=10**9), "wait")
+    cancel_after_three_steps(engine, pump, lambda: pump.complete([1], Sampling(1, 1.0, 1.0, 10**6)))
     assert len(engine.aborted) == 1 and not engine.live
 
 
@@ -273,21 +279,7 @@ def test_wait_lets_an_n_sample_request_finish_under_its_version():
 def test_a_cancelled_n_sample_request_is_aborted_whole():
     engine = MultiCountingEngine()
     pump = EnginePump(engine, ScriptedFeed(engine, at=10**9), "continue")
-
-    async def scenario():
-        runner = asyncio.create_task(pump.run())
-        many = asyncio.create_task(pump.complete_many([1], Sampling(1, 1.0, 1.0, 10**6), 4))
-        while engine.steps < 3:
-            await asyncio.sleep(0)
-        many.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await many
-        while engine.live:
-            await asyncio.sleep(0)
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
-
-    asyncio.run(scenario())
+    cancel_after_three_steps(engine, pump, lambda: pump.complete_many([1], Sampling(1, 1.0, 1.0, 10**6), 4))
     assert engine.aborted == ["turn-0"] and not engine.live and not pump._live
 
 
