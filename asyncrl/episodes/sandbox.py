@@ -153,19 +153,34 @@ def _wait_program(pid: int, status_fd: int | None) -> None:
 
 
 def _private_filesystem(config: dict) -> str:
-    """In the new mount namespace (private: no mount here reaches the host): the interpreter made reachable, a
-    tmpfs ``/tmp`` of the sandbox uid over each world-writable directory, a ``/proc`` of the new PID namespace
-    (best effort: some hosts forbid it). The working directory: ``/tmp``."""
+    """In the new mount namespace (private: no mount here reaches the host): the interpreter made reachable (also
+    where it lives under a directory covered next), a tmpfs ``/tmp`` of the sandbox uid over each world-writable
+    directory, a ``/proc`` of the new PID namespace
+    (best effort: some hosts forbid it). The working directory: ``/tmp`` (``/tmp/work`` when the interpreter
+    was bound back under ``/tmp``)."""
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
     _expose(config["expose"])
+    covered = ["/tmp", *(p for p in _WORLD_WRITABLE if os.path.isdir(p) and not os.path.islink(p))]
+    # an interpreter under a covered directory (a venv in /tmp) is bound back into the private one
+    under = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in config["expose"] if _within(p, covered)}
     uid, size = config["uid"], config["limits"]["disk_mb"]
     _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={size}m,mode=0700,uid={uid},gid={uid}")
-    for path in _WORLD_WRITABLE:
-        if os.path.isdir(path) and not os.path.islink(path):
-            _mount("/tmp", path, None, _MS_BIND)
+    for path in covered[1:]:
+        _mount("/tmp", path, None, _MS_BIND)
+    for path, fd in under.items():
+        os.makedirs(path, exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+        os.close(fd)
+    if under:  # the program's directory holds only what it writes, not the interpreter's way in
+        os.mkdir("/tmp/work", 0o700)
+        os.chown("/tmp/work", uid, uid)
     with contextlib.suppress(OSError):
         _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    return "/tmp"
+    return "/tmp/work" if under else "/tmp"
+
+
+def _within(path: str, directories: list[str]) -> bool:
+    return any(path == d or path.startswith(d + "/") for d in directories)
 
 
 def _expose(paths: list[str]) -> None:
