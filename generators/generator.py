@@ -383,6 +383,7 @@ class Generator:
 
     def report(self) -> None:
         record = self.stats.record(self.cfg.generator.n_samples * len(self.groups), self.pump.take_idle_fraction())
+        record.update(self.pump.take_batch_stats())
         self.stats = EpisodeStats()
         for fn in (self.reward_fn, self.eval_reward_fn):  # a reward model's throughput
             record.update(getattr(fn, "metrics", dict)())

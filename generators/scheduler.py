@@ -82,6 +82,8 @@ class EnginePump:
         self._waiting: WeightUpdate | None = None  # wait mode: an update deferred until turns finish
         self.busy_s = 0.0  # engine had requests
         self.idle_s = 0.0  # engine had none
+        self.steps = 0  # engine steps, and the samples running in them (the batch), since the last report
+        self.stepped_samples = 0
 
     @property
     def version(self) -> int:
@@ -137,6 +139,14 @@ class EnginePump:
         self.busy_s = self.idle_s = 0.0
         return fraction
 
+    def take_batch_stats(self) -> dict[str, float]:
+        """Engine steps since the last call and the samples each ran on average (the batch)."""
+        record = {"engine/steps": self.steps}
+        if self.steps:
+            record["engine/batch_mean"] = self.stepped_samples / self.steps
+        self.steps = self.stepped_samples = 0
+        return record
+
     # -- the loop ------------------------------------------------------------------------------------
     async def run(self) -> None:
         """Until cancelled."""
@@ -156,6 +166,8 @@ class EnginePump:
                         await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
                     self.idle_s += time.perf_counter() - t0
                     continue
+                self.steps += 1
+                self.stepped_samples += sum(not t.finished for turns in self._live.values() for t in turns)
                 t0 = time.perf_counter()
                 self._step = loop.run_in_executor(self._thread, self.engine.step)  # 4
                 outs = await self._step

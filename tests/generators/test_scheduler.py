@@ -207,6 +207,8 @@ def test_turns_are_batched_as_they_come_and_the_engine_idles_without_any():
     comps = asyncio.run(run_turns(pump, [[i] for i in range(5)]))
     assert engine.steps == 4 and all(c.tokens == [1, 2, 3, 4] for c in comps)  # one batch of 5
     assert pump.take_idle_fraction() is not None
+    assert pump.take_batch_stats() == {"engine/steps": 4, "engine/batch_mean": 5.0}
+    assert pump.take_batch_stats() == {"engine/steps": 0}  # taken: the next report's count starts at 0
 
 
 # -- n samples of one prompt ------------------------------------------------------------------------------
