@@ -46,6 +46,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 
 import numpy as np
@@ -482,6 +483,8 @@ class Generator:
         await asyncio.gather(pump, return_exceptions=True)
         if self.pool is not None:
             await self.pool.aclose()
+        if (agents := sys.modules.get("asyncrl.episodes.openai_server")) is not None:  # agent episodes ran
+            await agents.close_endpoint()  # their OpenAI-compatible endpoint
         close = getattr(self.reward_fn, "close", None)  # a remote reward's connections
         if close is not None and is_async(close):
             await close()

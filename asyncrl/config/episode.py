@@ -21,6 +21,30 @@ class EpisodeConfig(Section):
         "$ASYNCRL_ENV_TOKEN): each episode plays one session of its environment there, built with "
         "episode.options (see asyncrl.episodes.remote_env). Not with episode.function.",
     )
+    agent: str | None = Field(
+        None,
+        description="'module:function' of an `async def agent(client, task)` written against the OpenAI API: "
+        "client is an openai.AsyncOpenAI on the episode's own session of the generator's OpenAI-compatible "
+        "endpoint; it returns the reward, or None for data.reward on the last model turn (see "
+        "asyncrl.episodes.agent). Not with episode.function, env_url or agent_command.",
+    )
+    agent_command: str | list[str] | None = Field(
+        None,
+        description="A program started per episode (a command line, or its argv) with OPENAI_BASE_URL and "
+        "OPENAI_API_KEY set for the episode's session and the task as JSON on its standard input; its reward is "
+        "what it POSTs to $ASYNCRL_REWARD_URL, else data.reward on the last model turn.",
+    )
+    agent_host: str = Field(
+        "127.0.0.1",
+        description="Address the generator's OpenAI-compatible endpoint listens on (agent episodes); leaving "
+        "loopback is explicit. Each session has its own key either way.",
+    )
+    agent_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="The endpoint's port (0: a free one, logged; a fixed one fits one generator per host).",
+    )
     tools: list[str] = Field([], description="'module:name' of each @asyncrl.episodes.tools.tool the model may call.")
     tool_parser: str = Field("simple", description="Tool-call format: simple, hermes, or 'module:function'.")
     tool_errors: Literal["observe", "fail"] = Field(
@@ -100,4 +124,11 @@ class EpisodeConfig(Section):
             raise ValueError("episode.env_url and episode.function both name the episode: give one")
         if self.env_url is not None and not self.env_url.startswith(("http://", "https://")):
             raise ValueError(f"episode.env_url must be an http(s):// URL, not {self.env_url!r}")
+        named = [k for k in ("function", "env_url", "agent", "agent_command") if getattr(self, k) is not None]
+        if len(named) > 1 and set(named) != {"function", "env_url"}:
+            raise ValueError(f"episode.{' and episode.'.join(named)} all name the episode: give one")
+        if self.agent_command is not None and not (
+            self.agent_command.split() if isinstance(self.agent_command, str) else self.agent_command
+        ):
+            raise ValueError("episode.agent_command is empty")
         return self

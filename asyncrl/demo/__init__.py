@@ -4,6 +4,8 @@ tiny Llama up on each (``configs/demo-cpu.yaml``, ``demo-calc.yaml``, ``demo-gue
 * ``sort``: sort 4-6 letters; prompts, held-out split and the reward.
 * ``calc``: arithmetic solved by calling a calculator tool (a two-turn tool episode).
 * ``guess``: find a secret number from higher/lower replies (a gym-shaped Env, up to 4 turns).
+* ``guess_agent``, ``calc_agent``: the two agentic tasks as plain OpenAI-API agents (``openai`` only, no
+  asyncrl import; ``configs/demo-guess-agent.yaml``, ``demo-calc-agent.yaml``).
 * ``latency``: the environment-latency setting both agentic tasks share (fixed or log-normal).
 * ``model``, ``warmup``: the recipes (byte tokenizer, tiny Llama, a short supervised warm-up);
   ``recipes``: building one once into the model cache.

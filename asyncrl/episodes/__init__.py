@@ -9,6 +9,9 @@
 * ``env_serve``: ``asyncrl env-serve``, environment sessions over HTTP from worker processes;
   ``remote_env``: its client, the environment of a run with ``episode.env_url``.
 * ``openenv``: OpenEnv environment servers as environments (``OpenEnvEnv``).
+* ``agent``: OpenAI-API agents as episodes (``episode.agent`` / ``agent_command``), each against its own
+  session of the generator's OpenAI-compatible endpoint (``openai_server``), whose requests
+  ``transcript`` matches against the episode's sample (only new messages encoded; rewrites fork).
 
 Chat tokens (``asyncrl.chat``) are core: the offline modes and the weight-sync probe use them too.
 

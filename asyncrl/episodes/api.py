@@ -149,6 +149,10 @@ class Context:
         return now - since - self.engine_seconds - waiting
 
     @property
+    def chat(self) -> ChatTokens:
+        return self._chat  # the run's chat rendering (an OpenAI-API agent's messages go through it too)
+
+    @property
     def step_timeout_s(self) -> float:
         return self._cfg.step_timeout_s
 
@@ -406,6 +410,10 @@ def load_episode(cfg: EpisodeConfig) -> tuple[Episode, dict[str, Tool], Callable
     """The episode, tools and tool-call parser the config names."""
     tools = load_tools(cfg.tools)
     parser = load_parser(cfg.tool_parser)
+    if cfg.agent is not None or cfg.agent_command is not None:  # an OpenAI-API agent (asyncrl.episodes.agent)
+        from asyncrl.episodes.agent import agent_episode
+
+        return agent_episode(cfg), tools, parser
     if cfg.env_url is not None:  # an environment served by `asyncrl env-serve`, one session per episode
         from asyncrl.episodes.remote_env import RemoteEnv
 

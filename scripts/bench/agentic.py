@@ -11,6 +11,15 @@ generator's pool of worker processes (``asyncrl.episodes.pool``):
     .venv/bin/python scripts/bench/agentic.py inflight --inflight 8,32,128 [--blocking]
     RESULT inflight_8_over_ideal <x>  ...
 
+``--agent``: the same at each K twice, alternated, the first K episodes' starts spread over one episode's
+length (a steady stream of turns, not waves of K): the guess task's prompt and model, its episodes as
+the ``ctx`` Env version and as an OpenAI-API agent (``sleepy_agent``: the real ``openai`` client
+against the generator's endpoint, ``asyncrl.episodes.agent``), with the same steps and latency; prints
+each one's rate and their ratio (issue 27: within 15%):
+
+    .venv/bin/python scripts/bench/agentic.py inflight --inflight 32,128 --agent
+    RESULT endpoint_over_ctx_32 <x>  ...
+
 ``lag``: ``asyncrl launch`` of a demo task with log-normal environment latency (the same seed for
 both), ``--max-policy-lag 0`` and ``2`` alternated, twice each; the time each takes from its first
 evaluation to the first evaluation at or above the quality bar:
@@ -50,13 +59,36 @@ class SleepyEnv:
         return "ok", 0.0, self.done >= self.steps, {}
 
 
+AGENT = {"steps": 3, "latency_s": 1.0}  # sleepy_agent's episode (set from the command line)
+
+
+async def sleepy_agent(client, task: dict) -> float:
+    """SleepyEnv's episode as an OpenAI-API agent: a turn, then the environment's latency and ``ok``."""
+    messages = [{"role": "user", "content": task["prompt"]}]
+    for _ in range(AGENT["steps"]):
+        answer = await client.chat.completions.create(model="policy", messages=messages)
+        await asyncio.sleep(AGENT["latency_s"])
+        messages += [{"role": "assistant", "content": answer.choices[0].message.content}]
+        messages += [{"role": "user", "content": "ok"}]
+    return 0.0
+
+
 class _NoMetrics:
     def log(self, record: dict) -> None:
         pass
 
 
 async def sustained_rate(
-    engine, tokenizer, inflight: int, steps: int, latency_s: float, window_s: float, blocking: bool = False
+    engine,
+    tokenizer,
+    inflight: int,
+    steps: int,
+    latency_s: float,
+    window_s: float,
+    blocking: bool = False,
+    agent: bool = False,
+    prompt_text: str = "sort:dcba=",
+    stagger: bool = False,
 ) -> dict:
     """Episodes per second finished over ``window_s`` (after one episode's warm-up) with
     ``inflight`` kept running, and the engine's idle share over the window."""
@@ -74,8 +106,13 @@ async def sustained_rate(
     pump = EnginePump(engine, feed, "wait")
     chat, cfg = ChatTokens(tokenizer), EpisodeConfig(step_timeout_s=60)
     sampling = Sampling(1, 1.0, 1.0, 8)
-    prompt = chat.prompt_ids("sort:dcba=")
-    if blocking:  # the same steps as plain code: sessions in worker processes (the config's defaults)
+    prompt = chat.prompt_ids(prompt_text)
+    if agent:
+        from asyncrl.episodes.agent import agent_episode
+
+        AGENT.update(steps=steps, latency_s=latency_s)
+        pool, episode = None, agent_episode(EpisodeConfig(agent="__main__:sleepy_agent"))
+    elif blocking:  # the same steps as plain code: sessions in worker processes (the config's defaults)
         pool = WorkerPool(workers=cfg.workers, threads=cfg.worker_threads)
         options = {"steps": steps, "latency_s": latency_s}
         episode = env_episode(lambda: None, max_turns=steps, target="faulty:SleepyEnv", options=options)
@@ -83,9 +120,10 @@ async def sustained_rate(
         pool, episode = None, env_episode(lambda: SleepyEnv(steps, latency_s), max_turns=steps)
     finished: list[float] = []
 
-    async def one(seed: int) -> None:
+    async def one(seed: int, delay: float = 0.0) -> None:
+        await asyncio.sleep(delay)
         ctx = Context(
-            task={"prompt": "sort:dcba="},
+            task={"prompt": prompt_text},
             seed=seed,
             prompt_ids=prompt,
             complete=lambda ids, n: pump.complete(ids, sampling),
@@ -105,11 +143,16 @@ async def sustained_rate(
     runner = asyncio.create_task(pump.run())
     running: set[asyncio.Task] = set()
     start = time.perf_counter()
-    warmup = steps * latency_s * 1.5
+    # ``stagger``: the first K episodes start spread over one episode's length, so that turns arrive as a
+    # steady stream, not K at once every episode (with waves, a 12 s window counts whole waves: an episode
+    # 10% longer loses a quarter of the count)
+    episode_s = steps * latency_s
+    warmup = episode_s * (2.5 if stagger else 1.5)
     seed, measuring = 0, False
     while time.perf_counter() - start < warmup + window_s:
         while len(running) < inflight:
-            task = asyncio.create_task(one(seed))
+            delay = episode_s * seed / inflight if stagger and seed < inflight else 0.0
+            task = asyncio.create_task(one(seed, delay))
             running.add(task)
             task.add_done_callback(running.discard)
             seed += 1
@@ -121,10 +164,17 @@ async def sustained_rate(
     for task in list(running):
         task.cancel()
     await asyncio.gather(*running, return_exceptions=True)
+    # a cancelled episode's inner task still unwinds (an agent's: its client, the endpoint, its turn): let the
+    # pump abort their engine requests before it stops, or the next level's pump finds them in the engine
+    await asyncio.sleep(1.0)
     runner.cancel()
     await asyncio.gather(runner, return_exceptions=True)
     if pool is not None:
         await pool.aclose()
+    if agent:  # this loop's endpoint (the next level runs on a new loop, with its own)
+        from asyncrl.episodes.openai_server import endpoint_for
+
+        await (await endpoint_for("127.0.0.1", 0)).aclose()
     t0 = start + warmup
     done = sum(t0 <= t <= t0 + window_s for t in finished)
     rate = done / window_s
@@ -142,12 +192,17 @@ def bench_inflight(args) -> None:
     from asyncrl.generators.vllm_engine import VllmEngine
 
     levels = [int(x) for x in args.inflight.split(",")]
+    if args.agent:
+        args.model = args.model.replace("demo-sort", "demo-guess")
     cfg = load_config(None, {"model.path": args.model})
     engine = VllmEngine(cfg.generator.engine, cfg.model, max(levels), seed=0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if args.blocking:
         sys.path.insert(0, str(Path(__file__).resolve().parent))  # faulty.SleepyEnv, for the workers too
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [sys.path[0], os.environ.get("PYTHONPATH")]))
+    if args.agent:
+        compare_agent(engine, tokenizer, levels, args)
+        return
     rows = [
         asyncio.run(sustained_rate(engine, tokenizer, k, args.steps, args.latency, args.window, args.blocking))
         for k in levels
@@ -160,6 +215,35 @@ def bench_inflight(args) -> None:
     for r in rows:
         print(f"RESULT inflight_{r['inflight']}_over_ideal {r['ratio']:.3f}")
     print(f"RESULT inflight_min_over_ideal {min(r['ratio'] for r in rows):.3f}")
+
+
+def compare_agent(engine, tokenizer, levels: list[int], args) -> None:
+    """The guess prompt's episodes as ctx and as endpoint agent, alternated ``args.rounds`` times per level."""
+    for k in levels:
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(args.rounds):
+            for agent in (False, True):
+                run = sustained_rate(
+                    engine,
+                    tokenizer,
+                    k,
+                    args.steps,
+                    args.latency,
+                    args.window,
+                    agent=agent,
+                    prompt_text="guess:1-16=",
+                    stagger=True,
+                )
+                r = asyncio.run(run)
+                rates[agent].append(r["rate"])
+                name = "endpoint" if agent else "ctx"
+                print(
+                    f"in flight {k:4d} {name:8s}: {r['rate']:7.2f} episodes/s ({r['ratio']:.0%} of ideal)", flush=True
+                )
+        ctx_rate, agent_rate = statistics.mean(rates[False]), statistics.mean(rates[True])
+        print(f"RESULT ctx_episodes_per_s_{k} {ctx_rate:.2f}")
+        print(f"RESULT endpoint_episodes_per_s_{k} {agent_rate:.2f}")
+        print(f"RESULT endpoint_over_ctx_{k} {agent_rate / ctx_rate:.3f}")
 
 
 def time_to_quality(run_dir: Path, bar: float) -> float | None:
@@ -206,6 +290,8 @@ def main() -> None:
     a.add_argument("--window", type=float, default=12.0)
     a.add_argument("--model", default=".cache/models/demo-sort")
     a.add_argument("--blocking", action="store_true", help="a plain environment in worker processes")
+    a.add_argument("--agent", action="store_true", help="ctx episodes against an OpenAI-API agent's (guess model)")
+    a.add_argument("--rounds", type=int, default=2, help="--agent: alternations of the two at each level")
     b = sub.add_parser("lag")
     b.add_argument("--config", default="configs/demo-guess.yaml")
     b.add_argument("--bar", type=float, default=0.8)

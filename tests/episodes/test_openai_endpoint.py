@@ -1,0 +1,431 @@
+"""The OpenAI-compatible endpoint of agent episodes, with the real ``openai`` client against the real server
+and a scripted model: token identity with the ``ctx`` versions of the demos (byte tokenizer) and of a tool
+loop (SmolLM2's chat template), forks, tool calls, rewards, an external agent program, and each way a
+request is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import textwrap
+
+import httpx
+import openai
+import pytest
+from test_chat_tokens import smollm2  # noqa: F401 - SmolLM2's tokenizer (a fixture)
+
+from asyncrl.chat import ChatTokens
+from asyncrl.config import EpisodeConfig
+from asyncrl.demo import calc, guess
+from asyncrl.demo.model import build_tokenizer
+from asyncrl.episodes.agent import agent_episode
+from asyncrl.episodes.api import Context, env_episode, load_episode, run_episode, tool_episode
+from asyncrl.episodes.openai_server import Endpoint, close_endpoint, endpoint_for
+from asyncrl.episodes.tools import load_parser, load_tools
+from asyncrl.errors import UserError
+from asyncrl.generators.engine import Completion
+
+TOK = build_tokenizer()
+GUESS = "asyncrl.demo.guess_agent:play"
+
+
+def scripted(chat: ChatTokens, *texts: str):
+    """A ``complete`` answering each turn with the next text as the model emits it (with its end-of-turn
+    token); turn i's tokens have version i and log-prob -0.1 * (i + 1)."""
+    answers = iter(enumerate(texts))
+
+    async def complete(ids: list[int], max_new: int) -> Completion:
+        i, text = next(answers)
+        tokens = chat.response_ids(text)[:max_new]
+        return Completion(tokens, [-0.1 * (i + 1)] * len(tokens), "stop", [i] * len(tokens))
+
+    return complete
+
+
+def make_ctx(chat: ChatTokens, task: dict, complete, budget: int = 300, max_new: int = 64, **cfg) -> Context:
+    ep = EpisodeConfig(**cfg)
+    return Context(
+        task=task,
+        seed=1,
+        prompt_ids=chat.prompt_ids(task["prompt"]),
+        complete=complete,
+        chat=chat,
+        budget=budget,
+        max_new_tokens=max_new,
+        cfg=ep,
+        tools=load_tools(ep.tools),
+        parser=load_parser(ep.tool_parser),
+        reward=guess.reward if "secret" in task else calc.reward,
+    )
+
+
+def record(ctx: Context) -> tuple:
+    return ctx.tokens, ctx.mask, ctx.versions, ctx.logprobs, ctx.turns
+
+
+def with_endpoint(work):
+    """``work(endpoint)`` on a fresh event loop with a started endpoint, closed afterwards."""
+
+    async def main():
+        endpoint = Endpoint(max_body=64 * 1024)
+        await endpoint.start()
+        try:
+            return await work(endpoint)
+        finally:
+            await endpoint.aclose()
+
+    return asyncio.run(main())
+
+
+def play_agent(endpoint: Endpoint, ctx: Context, **cfg):
+    return run_episode(agent_episode(EpisodeConfig(**cfg), endpoint), ctx, 60)
+
+
+# ----- token identity ------------------------------------------------------------------------------------
+
+
+def test_the_guess_agent_makes_the_env_episodes_tokens():
+    chat, task = ChatTokens(TOK), {"prompt": guess.PROMPT, "secret": 11}
+    env_ctx = make_ctx(chat, task, scripted(chat, "8", "12", "x", "11"))
+    out = asyncio.run(run_episode(env_episode(guess.Env, max_turns=4), env_ctx, 60))
+    agent_ctx = make_ctx(chat, task, scripted(chat, "8", "12", "x", "11"))
+    agent_out = with_endpoint(lambda ep: play_agent(ep, agent_ctx, agent="asyncrl.demo.guess_agent:play"))
+    assert out.status == agent_out.status == "ok" and out.reward == agent_out.reward == 1.0
+    assert record(agent_ctx) == record(env_ctx)
+    assert agent_ctx.mask.count(0) == len(TOK.encode("higher;lower;invalid;", add_special_tokens=False))
+
+
+def test_the_calc_agent_makes_the_ctx_episodes_tokens_with_openai_tool_calls():
+    chat, task = ChatTokens(TOK), {"prompt": "calc:37*58=", "answer": "2146"}
+    turns = ("<call>calc 37*58</call>", "2146")
+    cfg = {"tools": ["asyncrl.demo.calc:calc"], "tool_parser": "simple"}
+    ctx_ctx = make_ctx(chat, task, scripted(chat, *turns), **cfg)
+    out = asyncio.run(run_episode(calc.episode, ctx_ctx, 60))
+    agent_ctx = make_ctx(chat, task, scripted(chat, *turns), tool_parser="simple")
+    agent_out = with_endpoint(lambda ep: play_agent(ep, agent_ctx, agent="asyncrl.demo.calc_agent:play"))
+    assert out.parts == agent_out.parts == {"reward": 1.0}  # the agent returned None: data.reward scored it
+    assert record(agent_ctx) == record(ctx_ctx) and agent_ctx.turns == 2
+
+
+async def upper_agent(client, task):
+    """A hermes tool loop over the OpenAI API: what ``tool_episode`` does with ``upper``."""
+    tools = [{"type": "function", "function": {"name": "upper", "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": task["prompt"]}]
+    while True:
+        r = await client.chat.completions.create(model="m", messages=messages, tools=tools, logprobs=True)
+        message = r.choices[0].message
+        entries = r.choices[0].logprobs.content
+        assert len(entries) == r.usage.completion_tokens and len({e.logprob for e in entries}) == 1
+        if not message.tool_calls:
+            return None
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            result = json.loads(call.function.arguments)["text"].upper()
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+
+
+def test_token_identity_under_smollm2s_chat_template(smollm2):  # noqa: F811 - the fixture
+    chat, task = ChatTokens(smollm2), {"prompt": "Shout hi and yo.", "answer": "HI"}
+    call = '<tool_call>{"name": "upper", "arguments": {"text": "%s"}}</tool_call>'
+    turns = (call % "hi" + call % "yo", call % "again", "Done: HI YO AGAIN.")
+    ctx_ctx = make_ctx(chat, task, scripted(chat, *turns), tools=["episode_fixtures:upper"], tool_parser="hermes")
+    out = asyncio.run(run_episode(tool_episode(4), ctx_ctx, 60))
+    agent_ctx = make_ctx(chat, task, scripted(chat, *turns), tool_parser="hermes")
+    agent_out = with_endpoint(
+        lambda ep: play_agent(ep, agent_ctx, agent=f"{__name__}:upper_agent", tool_parser="hermes")
+    )
+    assert out.status == agent_out.status == "ok" and out.parts == agent_out.parts
+    assert record(agent_ctx) == record(ctx_ctx) and agent_ctx.turns == 3
+    assert agent_ctx.tool_failures["agent_fork"] == 0
+    assert smollm2.decode(agent_ctx.prompt_ids + agent_ctx.tokens).count("<|im_start|>tool\nHI\nYO<|im_end|>") == 1
+
+
+# ----- forks ------------------------------------------------------------------------------------------
+
+
+async def rewriting_agent(client, task):
+    """Two turns, then a third request that rewrites the first answer: the sample forks."""
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    first = (await client.chat.completions.create(model="m", messages=msgs)).choices[0].message.content
+    msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": "lower;"}]
+    await client.chat.completions.create(model="m", messages=msgs)
+    msgs[1] = {"role": "assistant", "content": "4"}  # not what the model said
+    third = await client.chat.completions.create(model="m", messages=msgs)
+    return float(third.choices[0].message.content == "2")
+
+
+def test_a_rewritten_history_forks_the_sample_and_is_counted():
+    chat, task = ChatTokens(TOK), {"prompt": guess.PROMPT, "secret": 2}
+    ctx = make_ctx(chat, task, scripted(chat, "8", "3", "2"))
+    out = with_endpoint(lambda ep: play_agent(ep, ctx, agent=f"{__name__}:rewriting_agent"))
+    assert out.status == "ok" and out.reward == 1.0 and ctx.tool_failures["agent_fork"] == 1
+    # the last branch only: the prompt, the agent's "4" (context), its observation, the third turn
+    four, lower, two = chat.response_ids("4"), TOK.encode("lower;", add_special_tokens=False), chat.response_ids("2")
+    assert ctx.tokens == four + lower + two and ctx.mask == [0] * (len(four) + len(lower)) + [1] * len(two)
+    assert ctx.versions[-1] == 2 and ctx.turns == 1
+
+
+# ----- the client's calls, retries, completions, rewards ---------------------------------------------------
+
+
+async def many_calls_agent(client, task):
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["policy"]
+    prompt = task["prompt"]
+    first = await client.completions.create(model="policy", prompt=prompt, logprobs=1, max_tokens=3)
+    assert first.choices[0].text == "8" and first.usage.completion_tokens == 2
+    assert first.choices[0].logprobs.token_logprobs == [-0.1, -0.1]
+    second = await client.completions.create(model="policy", prompt=prompt + "8" + "higher;", stop=["2"])
+    assert second.choices[0].text == "1" and second.choices[0].finish_reason == "stop"
+    return {"found": 0.5, "speed": 0.25}
+
+
+def test_completions_models_stop_and_reward_parts():
+    chat, task = ChatTokens(TOK), {"prompt": guess.PROMPT, "secret": 12}
+    ctx = make_ctx(chat, task, scripted(chat, "8", "12"))
+    out = with_endpoint(lambda ep: play_agent(ep, ctx, agent=f"{__name__}:many_calls_agent"))
+    assert out.status == "ok", out.detail
+    assert out.parts == {"found": 0.5, "speed": 0.25}
+    higher = TOK.encode("higher;", add_special_tokens=False)
+    assert ctx.tokens == chat.response_ids("8") + higher + chat.response_ids("12")
+
+
+async def streaming_agent(client, task):
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    stream = await client.chat.completions.create(model="m", messages=msgs, stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    again = await client.chat.completions.create(model="m", messages=msgs)  # a retry: the same answer
+    assert again.choices[0].message.content == text == "5"
+    return None
+
+
+def test_streaming_a_retry_and_data_reward_on_the_final_answer():
+    chat, task = ChatTokens(TOK), {"prompt": guess.PROMPT, "secret": 5}
+    ctx = make_ctx(chat, task, scripted(chat, "5"))
+    out = with_endpoint(lambda ep: play_agent(ep, ctx, agent=f"{__name__}:streaming_agent"))
+    assert out.status == "ok" and out.reward == 1.0 and ctx.turns == 1
+
+
+AGENT_PROGRAM = textwrap.dedent(
+    """
+    import json, os, sys, httpx, openai
+    task = json.load(sys.stdin)
+    client = openai.OpenAI()
+    r = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task["prompt"]}])
+    text = r.choices[0].message.content
+    headers = {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]}
+    httpx.post(os.environ["ASYNCRL_REWARD_URL"], json={"reward": 0.25 + (text == "9")}, headers=headers)
+    """
+)
+
+
+def test_an_external_agent_program(tmp_path):
+    program = tmp_path / "agent.py"
+    program.write_text(AGENT_PROGRAM)
+    chat, task = ChatTokens(TOK), {"prompt": guess.PROMPT, "secret": 9}
+    ctx = make_ctx(chat, task, scripted(chat, "9"))
+    out = with_endpoint(lambda ep: play_agent(ep, ctx, agent_command=[sys.executable, str(program)]))
+    assert out.status == "ok" and out.reward == 1.25 and ctx.turns == 1
+
+    failing = tmp_path / "failing.py"
+    failing.write_text("import sys; print('no luck', file=sys.stderr); sys.exit(3)")
+    ctx = make_ctx(chat, task, scripted(chat))
+    out = with_endpoint(lambda ep: play_agent(ep, ctx, agent_command=f"{sys.executable} {failing}"))
+    assert out.status == "agent_error" and "exited with 3: no luck" in out.detail
+
+
+def test_an_agent_program_past_the_episodes_timeout_is_killed(tmp_path):
+    pid_file = tmp_path / "pid"
+    program = tmp_path / "hang.py"
+    program.write_text(f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(3600)")
+    chat, task = ChatTokens(TOK), {"prompt": guess.PROMPT, "secret": 9}
+    ctx = make_ctx(chat, task, scripted(chat))
+    episode = agent_episode(EpisodeConfig(agent_command=[sys.executable, str(program)]))
+    out = asyncio.run(run_episode(episode, ctx, 3.0))  # time enough for the program to start on a busy machine
+    assert out.status == "episode_timeout"
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # killed (and reaped) when its episode was cancelled
+
+
+def test_a_cancelled_episode_ends_after_its_agents_turn_is_cancelled():
+    """The generator cancels an episode (shutdown): the turn waiting for the engine is cancelled first."""
+    chat, task = ChatTokens(TOK), {"prompt": guess.PROMPT, "secret": 9}
+    events: list[str] = []
+    entered = asyncio.Event()
+
+    async def waiting(ids: list[int], max_new: int) -> Completion:
+        entered.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            events.append("turn cancelled")
+            raise
+
+    async def main(endpoint: Endpoint):
+        ctx = make_ctx(chat, task, waiting)
+        running = asyncio.create_task(play_agent(endpoint, ctx, agent=GUESS))
+        await entered.wait()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        events.append("episode ended")
+        return endpoint.sessions
+
+    assert with_endpoint(main) == {} and events == ["turn cancelled", "episode ended"]
+
+
+def test_an_agent_that_overruns_the_budget_fails_the_episode():
+    chat, task = ChatTokens(TOK), {"prompt": guess.PROMPT, "secret": 16}
+    ctx = make_ctx(chat, task, scripted(chat, "1", "2", "3", "4"), budget=8)
+    out = with_endpoint(lambda ep: play_agent(ep, ctx, agent="asyncrl.demo.guess_agent:play"))
+    assert out.status == "budget"
+
+
+# ----- refusals -----------------------------------------------------------------------------------------
+
+
+async def refusals(endpoint: Endpoint) -> dict:
+    chat = ChatTokens(TOK)
+    task = {"prompt": guess.PROMPT, "secret": 3}
+    mine = endpoint.open(make_ctx(chat, task, scripted(chat, "3")), load_parser("simple"), "simple")
+    other = endpoint.open(make_ctx(chat, task, scripted(chat)), load_parser("simple"), "simple")
+    done = endpoint.open(make_ctx(chat, task, scripted(chat)), load_parser("simple"), "simple")
+    endpoint.close(done)
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    seen = {}
+    cases = {
+        "no_key": (mine, None, {"messages": msgs}),
+        "other_key": (mine, other.key, {"messages": msgs}),
+        "finished": (done, done.key, {"messages": msgs}),
+        "malformed": (mine, mine.key, b'{"messages": ['),
+        "unsupported": (mine, mine.key, {"messages": msgs, "logit_bias": {"1": 5}}),
+        "n": (mine, mine.key, {"messages": msgs, "n": 2}),
+        "oversize": (mine, mine.key, {"messages": msgs, "user": "x" * 100_000}),
+        "deep": (mine, mine.key, {"messages": msgs, "metadata": json.loads("[" * 80 + "]" * 80)}),
+        "prompt": (mine, mine.key, {"messages": [{"role": "user", "content": "guess:1-99="}]}),
+        "image": (mine, mine.key, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    }
+    async with httpx.AsyncClient() as http:
+        for name, (session, key, body) in cases.items():
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = await http.post(f"{session.url}/chat/completions", content=content, headers=headers)
+            seen[name] = (r.status_code, r.json()["error"])
+        ok = await openai.AsyncOpenAI(base_url=mine.url, api_key=mine.key).chat.completions.create(
+            model="m", messages=msgs
+        )
+        seen["after"] = ok.choices[0].message.content
+        client = openai.AsyncOpenAI(base_url=mine.url, api_key=mine.key)  # over the socket: the retry, streamed
+        stream = await client.chat.completions.create(model="m", messages=msgs, stream=True)
+        seen["streamed"] = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        try:
+            await openai.AsyncOpenAI(base_url=mine.url, api_key=other.key, max_retries=0).models.list()
+        except openai.AuthenticationError as e:
+            seen["sdk"] = e.status_code
+    seen["untouched"] = (len(mine.conversation.ctx.tokens), len(other.conversation.ctx.tokens))
+    return seen
+
+
+def test_bad_requests_get_openai_error_objects_and_touch_no_session():
+    seen = with_endpoint(refusals)
+    expect = {
+        "no_key": (401, "invalid_api_key"),
+        "other_key": (401, "invalid_api_key"),
+        "finished": (404, "session_finished"),
+        "malformed": (400, "invalid_json"),
+        "unsupported": (400, "unsupported_parameter"),
+        "n": (400, "unsupported_parameter"),
+        "oversize": (413, "body_too_large"),
+        "deep": (400, "invalid_json"),
+        "prompt": (400, "prompt_mismatch"),
+        "image": (400, "unsupported_content"),
+    }
+    for name, (status, code) in expect.items():
+        got_status, error = seen[name]
+        assert (got_status, error["code"]) == (status, code), (name, error)
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert seen["unsupported"][1]["param"] == "logit_bias"
+    assert seen["after"] == seen["streamed"] == "3" and seen["sdk"] == 401
+    assert seen["untouched"] == (len(ChatTokens(TOK).response_ids("3")), 0)
+
+
+def test_an_event_loop_has_one_endpoint_until_the_generator_closes_it():
+    async def main():
+        first, again = await asyncio.gather(endpoint_for("127.0.0.1", 0), endpoint_for("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{first.port}/sessions/x/v1/models"
+        async with httpx.AsyncClient() as http:
+            served = (await http.get(url)).status_code
+            await close_endpoint()
+            with pytest.raises(httpx.ConnectError):
+                await http.get(url)
+        await close_endpoint()  # none left: nothing to do
+        return first is again, served
+
+    same, served = asyncio.run(main())
+    assert same and served == 401  # one endpoint per loop; a request without a key is refused, not lost
+
+
+def test_config_names_one_episode_and_load_episode_builds_the_agent():
+    with pytest.raises(ValueError, match="give one"):
+        EpisodeConfig(agent="asyncrl.demo.guess_agent:play", function="asyncrl.demo.guess:Env")
+    with pytest.raises(UserError, match="async def agent"):
+        load_episode(EpisodeConfig(agent="asyncrl.demo.guess:reward"))
+    episode, _, _ = load_episode(EpisodeConfig(agent_command="true"))
+    assert callable(episode)
+
+
+# ----- a real engine ----------------------------------------------------------------------------------
+
+
+class _NoMetrics:
+    def log(self, record: dict) -> None:
+        pass
+
+
+def test_a_real_engine_gives_the_agent_and_the_env_episode_the_same_tokens(tiny_model_dir):
+    """The transformers engine, greedy, behind the generator's pump: the guess Env's episode and the guess
+    agent's, one after the other on one loop, sample the same tokens with the same masks and versions."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from asyncrl.config import load_config
+    from asyncrl.generators.engine import Sampling
+    from asyncrl.generators.hf_engine import HfEngine
+    from asyncrl.generators.scheduler import EnginePump
+    from asyncrl.generators.weight_feed import WeightFeed
+    from asyncrl.weights import MemoryWeightBus
+
+    engine = HfEngine(load_config(None, {"model.path": str(tiny_model_dir), "model.recipe": None}).model, seed=0)
+    chat = ChatTokens(AutoTokenizer.from_pretrained(tiny_model_dir))
+    sampling = Sampling(1, 0.0, 1.0, 4, tuple(chat.stop_token_ids))
+    task = {"prompt": guess.PROMPT, "secret": 16}
+
+    async def main():
+        feed = WeightFeed(MemoryWeightBus().subscriber("t", have=0), _NoMetrics(), lambda **_: None)
+        pump = EnginePump(engine, feed, "wait")
+        runner = asyncio.create_task(pump.run())
+        endpoint = Endpoint()
+        await endpoint.start()
+        try:
+            played = []
+            for episode in (env_episode(guess.Env, max_turns=4), agent_episode(EpisodeConfig(agent=GUESS), endpoint)):
+                complete = lambda ids, n: pump.complete(ids, dataclasses.replace(sampling, max_new_tokens=n))  # noqa: E731
+                ctx = make_ctx(chat, task, complete, max_new=4)  # the guess agent asks for 4 tokens a turn
+                played.append((await run_episode(episode, ctx, 60), ctx))
+            return played
+        finally:
+            await endpoint.aclose()
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    (env_out, env_ctx), (agent_out, agent_ctx) = asyncio.run(main())
+    assert env_out.status == agent_out.status == "ok" and env_out.reward == agent_out.reward
+    # The Env version also observes the environment's reply to its last turn (env_episode does, when the
+    # turns run out): context after the last model token, which the agent never sends. Up to it, identical.
+    end = len(agent_ctx.tokens)
+    assert agent_ctx.mask[-1] == 1 and set(env_ctx.mask[end:]) <= {0}
+    cut = (env_ctx.tokens[:end], env_ctx.mask[:end], env_ctx.versions[:end], env_ctx.logprobs[:end], env_ctx.turns)
+    assert record(agent_ctx) == cut and agent_ctx.turns == 4 and 0 in agent_ctx.mask
