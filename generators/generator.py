@@ -13,13 +13,11 @@ samples their turns continuously. The loop, every ``TICK_S`` or when a group end
   1. eval    - if the served version reached an eval point (at it, or past it: ``evaluation``) that no
                other generator claimed, start a greedy held-out evaluation of it (it holds the weights
                until done: one version throughout)
-  2. admit   - first take orphans (groups of a generator that died, with a journal: resumed from
-               their episodes' last completed turns, ``asyncrl.generators.journal``), then claim
-               groups under admission control, keyed on the version their turns will be sampled with
-               (the served one; under ``wait``, an update waiting for the running turns), while
-               there is room for their episodes, the share sized by the live fleet; each claimed
-               group runs as its own task: n episodes concurrently -> one trajectory group -> push,
-               or ``failed``
+  2. admit   - on a thread, take orphans (groups of a generator that died, resumed from their
+               journal: ``asyncrl.generators.journal``), then claim groups under admission control,
+               keyed on the version their turns will be sampled with (under ``wait``, an update
+               waiting for the running turns), while there is room, the share sized by the live
+               fleet; each group runs as its own task: n episodes -> one trajectory group -> push
   3. report  - metrics every ``REPORT_S``; stop the run when failures pass the limit
                (``episode.failure_limit``)
 
@@ -341,33 +339,34 @@ class Generator:
         finally:
             self.evaluating = None
 
-    def admit(self, orphans: bool = True) -> int:
-        """Claim groups while admission and room allow, orphans first (``orphans``: look for them: at the
-        tick's pace, a Redis round trip saved at every group's end); each starts as its own task."""
-        k, b = self.cfg.run.max_policy_lag, self.cfg.learner.groups_per_step
-        if self.version >= self.cfg.run.steps:  # the learner is done: only the final eval is left
-            return 0
+    async def admit(self, orphans: bool = True) -> int:
+        """Claim groups (:meth:`_claim`, on a thread: the event loop, and the engine pump's next step with it,
+        never waits on Redis); each starts as its own task."""
         room = self.capacity - len(self.groups)
-        while orphans and room > 0 and (orphan := self.buffer.take_orphan(self.ident)) is not None:
-            seq, saved = orphan  # a group of a generator that died: its slot is taken already
-            log.info("resuming group %d of a generator that stopped (%d episodes journaled)", seq, len(saved))
-            self._start(self.run_group(seq, saved))
-            room -= 1
-        if room <= 0:
+        if room <= 0 or self.version >= self.cfg.run.steps:  # full, or the learner is done (the final eval left)
             return 0
-        live = live_groups(self.buffer.stats())
-        # keyed on the version the claimed groups' turns will be sampled with: an update waiting for the
-        # running turns to finish is that version, so admission does not wait for the drain as well
+        claims = await asyncio.to_thread(self._claim, room, orphans)
+        for seq, saved in claims:
+            if saved is not None:  # a group of a generator that died: its slot is taken already
+                log.info("resuming group %d of a generator that stopped (%d episodes journaled)", seq, len(saved))
+            self._start(self.run_group(seq, saved))
+        return len(claims)
+
+    def _claim(self, room: int, orphans: bool) -> list[tuple[int, dict[str, bytes] | None]]:
+        """Up to ``room`` groups: orphans first (``orphans``: look for them, at the tick's pace), then new ones
+        under admission control keyed on the version their turns will be sampled with (``next_version``)."""
+        claims = []
+        while orphans and len(claims) < room and (orphan := self.buffer.take_orphan(self.ident)) is not None:
+            claims.append(orphan)
+        k, b = self.cfg.run.max_policy_lag, self.cfg.learner.groups_per_step
         serving = self.pump.next_version
-        share = claim_share(admission_limit(serving, k, b) - live, self.fleet, room, b)
-        claimed = 0
-        while claimed < share:  # each claim is atomic; the share only spreads them
+        share = claim_share(admission_limit(serving, k, b) - live_groups(self.buffer.stats()), self.fleet, room, b)
+        for _ in range(min(share, room - len(claims))):  # each claim is atomic; the share only spreads them
             seq = self.buffer.try_start_group(serving, k, b, producer=self.ident)
             if seq is None:
                 break
-            self._start(self.run_group(seq))
-            claimed += 1
-        return claimed
+            claims.append((seq, None))
+        return claims
 
     def _start(self, group) -> None:
         task = asyncio.create_task(group)
@@ -437,7 +436,7 @@ class Generator:
                     self.heartbeat()  # first: a generator without a lease must not claim or push
                     self.fleet = max(1, len(self.control.members("generator")))
                 self.maybe_evaluate()  # 1
-                self.admit(orphans=ticked)  # 2: at once when a group ended
+                await self.admit(orphans=ticked)  # 2: at once when a group ended
                 if time.monotonic() - last_report >= REPORT_S:
                     self.report()
                     last_report = time.monotonic()

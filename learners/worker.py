@@ -312,7 +312,9 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
     if rank == 0:
         log.info("algorithm %s: %s", cfg.algorithm.name, preset)
     publisher = start_publisher(cfg) if rank == 0 else None
-    probed = probe_logprobs(engine, probe_seq)  # every rank: a collective under ZeRO-3
+    # the probe's forward is a collective under ZeRO-3 (every rank); otherwise rank 0, which publishes, alone
+    probing = publisher is not None or cfg.learner.zero_stage == 3
+    probed = probe_logprobs(engine, probe_seq) if probing else None
     state = full_state_dict(engine, cfg.learner.zero_stage)
     if publisher is not None:
         # before any generator applies; a LoRA policy's names are its HF model's
@@ -344,7 +346,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         control.count_staleness(stale)
         timings.time("train")
         # 4. publish (the probe first: a generator applying the version finds it)
-        probed = probe_logprobs(engine, probe_seq)
+        probed = probe_logprobs(engine, probe_seq) if probing else None
         state = full_state_dict(engine, cfg.learner.zero_stage)
         if publisher is not None:
             probe.publish(control, version + 1, probed)
