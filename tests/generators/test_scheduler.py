@@ -114,7 +114,9 @@ def test_abort_restarts_the_turn_under_the_new_weights():
     assert c.versions == [1, 1, 1, 1] and c.tokens == [101, 102, 103, 104]
 
 
-def test_wait_finishes_running_turns_first_and_starts_no_new_one_meanwhile():
+def under_a_waiting_update(then):
+    """A ``wait`` pump whose update (offered at step 1) waits for a first turn still running: ``then(pump)``
+    awaited at step 2; (the first turn's completion, what ``then`` returned)."""
     engine = CountingEngine()
     pump = EnginePump(engine, ScriptedFeed(engine, at=1), "wait")
 
@@ -123,36 +125,31 @@ def test_wait_finishes_running_turns_first_and_starts_no_new_one_meanwhile():
         first = asyncio.create_task(pump.complete([1], SAMPLING))
         while engine.steps < 2:
             await asyncio.sleep(0)
-        second = asyncio.create_task(pump.complete([2], SAMPLING))  # asks while the update waits
-        a, b = await asyncio.gather(first, second)
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
-        return a, b
+        try:
+            got = await then(pump)
+            return await first, got
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
 
-    a, b = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_wait_finishes_running_turns_first_and_starts_no_new_one_meanwhile():
+    a, b = under_a_waiting_update(lambda pump: pump.complete([2], SAMPLING))  # asks while the update waits
     assert a.versions == [0, 0, 0, 0] and b.versions == [1, 1, 1, 1]
 
 
 def test_under_wait_a_held_back_update_is_the_version_new_turns_get_and_lands_before_a_hold():
     """Admission keys on ``next_version`` (the waiting update's: turns queued now start after it loads),
     and a hold entered meanwhile waits for it to land (held first, it never would: a deadlock)."""
-    engine = CountingEngine()
-    pump = EnginePump(engine, ScriptedFeed(engine, at=1), "wait")
 
-    async def scenario():
-        runner = asyncio.create_task(pump.run())
-        first = asyncio.create_task(pump.complete([1], SAMPLING))
-        while engine.steps < 2:
-            await asyncio.sleep(0)
+    async def hold_and_ask(pump):
         waiting = (pump.version, pump.next_version)
         async with pump.hold():
-            held = await asyncio.wait_for(pump.complete([2], SAMPLING), 30)
-        await first
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
-        return waiting, held
+            return waiting, await asyncio.wait_for(pump.complete([2], SAMPLING), 30)
 
-    waiting, held = asyncio.run(scenario())
+    _, (waiting, held) = under_a_waiting_update(hold_and_ask)
     assert waiting == (0, 1) and held.versions == [1, 1, 1, 1]
 
 
