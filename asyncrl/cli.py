@@ -106,6 +106,10 @@ def cmd_launch(args) -> int:
         from asyncrl.run.preflight import preflight_light
 
         preflight_light(cfg)
+        if args.backend != "ray":  # the local launch's GPU layout (Ray places its actors itself)
+            from asyncrl.run.gpus import plan_gpus, visible_gpus
+
+            plan_gpus(cfg, visible_gpus())
         print(dump_config(cfg), end="")
         if args.show_prompts:
             from asyncrl.run.samples import show_prompts

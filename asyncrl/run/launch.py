@@ -45,6 +45,7 @@ from asyncrl.lifetime import Child, die_with, exit_soon, jemalloc_env, live_proc
 from asyncrl.net import interface_of, is_loopback, url_address
 from asyncrl.observe.metrics import DiskFull
 from asyncrl.run.disk import Reserve, check_full_disk, run_error
+from asyncrl.run.gpus import GpuPlan, plan_gpus, visible_gpus
 from asyncrl.run.preflight import check_prompt_lengths, external_redis_url, in_background, preflight
 from asyncrl.run.resume import ResumePoint, reset_for_resume
 from asyncrl.run.samples import SAMPLES_FILE
@@ -106,9 +107,8 @@ class Launcher:
         if self.resume is None:
             for stale in ("metrics.jsonl", "summary.json", SAMPLES_FILE, SAMPLES_FILE + ".1"):
                 (self.run_dir / stale).unlink(missing_ok=True)
-            for stale in ("checkpoint", "export", "redis"):  # a restarted learner must never resume an old run
-                shutil.rmtree(self.run_dir / stale, ignore_errors=True)
-            for stale in ("tensorboard", "wandb"):  # the metrics of the run this one starts over
+            # a restarted learner must never resume an old run; and the metrics of the run this one starts over
+            for stale in ("checkpoint", "export", "redis", "tensorboard", "wandb"):
                 shutil.rmtree(self.run_dir / stale, ignore_errors=True)
         self.remove_uncommitted()  # a resumed run's: its learners start from the committed one
         self.reserve.take()
@@ -156,6 +156,9 @@ class Launcher:
             return base
         return env
 
+    def place_gpus(self) -> GpuPlan:
+        return plan_gpus(self.cfg, visible_gpus())  # each local process's GPU (Ray's actors: Ray places them)
+
     @property
     def pin_cpus(self) -> bool:
         return self.cfg.run.cpu_scheduling and not _has_cuda()
@@ -193,7 +196,7 @@ class Launcher:
             pin = {rank % ncpu} if self.pin_cpus else None
             self.children.append(Child("learner", rank, cmd, env, log_path, cpus=pin))
         for i in range(cfg.run.generators):
-            env = dict(base, **engine_env(cfg.generator.engine, core=i % ncpu))
+            env = dict(base, **engine_env(cfg.generator.engine, core=i % ncpu), **self.gpus.generator_env(i))
             log_path = logs / f"generator-{i}.log"
             cmd = [sys.executable, "-m", "asyncrl.generators.worker", "--config", str(config_path), "--id", str(i)]
             cmd += ["--log-file", str(log_path)]
@@ -350,15 +353,11 @@ class Launcher:
             wait_for_leaves(control, STOP_GRACE_S, self.log)
 
     def remove_stale_weights(self) -> None:
-        """Shared-memory weight versions of publishers that died without cleaning up (SIGKILL), this
-        run's or any earlier one's on this host: in the default tmpfs and in this run's ``weights.dir``."""
-        from asyncrl.weights import remove_stale_shm
-        from asyncrl.weights.shm_reclaim import DEFAULT_ROOT
+        """Shared-memory weight versions of publishers that died without cleaning up (SIGKILL), this run's or any
+        earlier one's on this host."""
+        from asyncrl.weights.shm_reclaim import remove_stale_weights
 
-        roots = {DEFAULT_ROOT, self.cfg.weights.dir} if self.cfg.weights.type == "shm" else {DEFAULT_ROOT}
-        for root in sorted(r for r in roots if os.path.isdir(r)):
-            for path in remove_stale_shm(root):
-                self.log(f"removed shared-memory weights of a dead learner: {path}")
+        remove_stale_weights(self.cfg.weights, self.log)
 
     def remove_uncommitted(self) -> None:
         """Checkpoints whose save never finished; only while no learner rank runs."""
@@ -373,6 +372,7 @@ class Launcher:
     def run(self) -> int:
         # the config the run uses (config.yaml, `meta config`): a GGUF model.path becomes its converted directory
         self.cfg = cfg = preflight(self.cfg, self.redis_url, log=self.log)
+        self.gpus = self.place_gpus()
         try:  # a disk too full to start on is one line too
             config_path = self.prepare_run_dir()
         except OSError as exc:

@@ -44,6 +44,7 @@ from asyncrl.config import Config
 from asyncrl.errors import UserError
 from asyncrl.fleet.rendezvous import engine_env
 from asyncrl.lifetime import die_with, lower_priority
+from asyncrl.run.gpus import GpuPlan
 from asyncrl.run.launch import STOP_GRACE_S, Child, Launcher
 from asyncrl.run.resume import ResumePoint
 
@@ -288,6 +289,9 @@ class RayLauncher(Launcher):
         self.address = address
         self.group = None  # the learners' placement group
         self.terminated = False  # SIGTERM came: the run exits 143, not Ctrl-C's 130
+
+    def place_gpus(self) -> GpuPlan:
+        return GpuPlan([], [])  # each actor's own, by its num_gpus
 
     def connect(self) -> dict[str, float]:
         try:

@@ -81,3 +81,12 @@ def remove_stale_shm(root: str = DEFAULT_ROOT, alive: Callable[[int, int | None]
         log.info("weights: removed %s of dead publisher %d", entry.path, pid)
         removed.append(entry.path)
     return removed
+
+
+def remove_stale_weights(weights, say: Callable[[str], None]) -> None:
+    """The launcher's sweep: dead publishers' versions in the default tmpfs and, for ``weights.type=shm``, in
+    the run's own ``weights.dir``, each removal said."""
+    roots = {DEFAULT_ROOT, weights.dir} if weights.type == "shm" else {DEFAULT_ROOT}
+    for root in sorted(r for r in roots if os.path.isdir(r)):
+        for path in remove_stale_shm(root):
+            say(f"removed shared-memory weights of a dead learner: {path}")

@@ -69,3 +69,20 @@ def test_without_jemalloc_learners_keep_the_system_malloc_and_the_launcher_says_
     base = {"PATH": "/usr/bin:/bin"}
     assert launcher.learner_env(base) is base
     assert len(said) == 1 and "apt install libjemalloc2" in said[0]
+
+
+def test_each_generator_is_started_on_its_own_gpu_after_the_learners(tmp_path, monkeypatch):
+    """spawn hands each generator its GPU of the plan (asyncrl/run/gpus.py) as CUDA_VISIBLE_DEVICES; learner
+    ranks keep every GPU (they take theirs by LOCAL_RANK)."""
+    from asyncrl.run import launch
+
+    monkeypatch.setattr(launch, "visible_gpus", lambda: ["0", "1", "2"])
+    monkeypatch.setattr(Child, "start", lambda self: None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cfg = load_config(DEMO, {"run.out_dir": str(tmp_path), "run.learners": 1, "run.generators": 3})
+    launcher = Launcher(cfg)
+    launcher.gpus = launcher.place_gpus()
+    launcher.spawn(tmp_path / "config.yaml", "redis://127.0.0.1:1/0", "prefix")
+    placed = {c.name: c.env.get("CUDA_VISIBLE_DEVICES") for c in launcher.children}
+    assert placed == {"learner-0": None, "generator-0": "1", "generator-1": "2", "generator-2": "1"}
+    assert launcher.children[0].env["LOCAL_RANK"] == "0"
