@@ -7,5 +7,5 @@ after it); ``accounting`` counts episodes and holds the failure limit; ``outcome
 sample; ``weight_feed`` applies new versions.
 
 May import: the core, asyncrl.buffers, asyncrl.weights, asyncrl.observe, asyncrl.episodes,
-asyncrl.rewards.
+asyncrl.rewards, asyncrl.models.
 """

@@ -92,6 +92,8 @@ def fits(prompt_len: int, max_new_tokens: int, max_model_len: int) -> bool:
 class Engine(abc.ABC):
     max_model_len: int  # tokens of prompt plus completion one sequence may hold
     multi_sample: bool = False  # add_request takes sampling.n > 1 (else the scheduler adds n requests)
+    probe_routing: list | None = None  # a mixture of experts: the expert choices of the last score() (per layer,
+    # per token, sorted), compared with the learner's (asyncrl.observe.probe.compare)
 
     @abc.abstractmethod
     def add_request(self, request_id: str, prompt: list[int], sampling: Sampling) -> None:

@@ -116,7 +116,7 @@ class Generator:
             self._served,
             version=0,
             probe_ids=probe.probe_ids(self.chat, self.records[0]),
-            compare=lambda version, logprobs: probe.difference(control, version, logprobs),
+            compare=lambda version, logprobs, routing=None: probe.compare(control, version, logprobs, routing),
             aliases=json.loads(control.get_meta("tied") or "{}"),  # the learner's, before its first version
             adapter=(cfg.model.path, cfg.model.lora.alpha / cfg.model.lora.rank) if cfg.model.lora else None,
         )

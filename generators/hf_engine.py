@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.chat import stop_at
 from asyncrl.config import ModelConfig
 from asyncrl.generators.engine import Completion, Engine, Sampling, StepOutput, context_length
+from asyncrl.models.routers import RouterTap, choices_of
 from asyncrl.weights.ties import module_aliases
 
 
@@ -29,6 +30,7 @@ class HfEngine(Engine):
         self.eos_id = tok.eos_token_id
         self.generator = torch.Generator().manual_seed(seed)
         self._requests: dict[str, tuple[list[int], Sampling]] = {}
+        self.routers = RouterTap(self.model)  # a mixture of experts: the probe's expert choices
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling, version: int = 0) -> list[list[Completion]]:
@@ -93,7 +95,9 @@ class HfEngine(Engine):
     @torch.no_grad()
     def score(self, ids: list[int]) -> list[float]:
         x = torch.tensor([ids], device=self.device)
-        logp = torch.log_softmax(self.model(input_ids=x).logits[0, :-1].float(), -1)
+        with self.routers:
+            logp = torch.log_softmax(self.model(input_ids=x).logits[0, :-1].float(), -1)
+        self.probe_routing = choices_of(self.routers)
         return logp.gather(-1, x[0, 1:, None])[:, 0].tolist()
 
     def add_request(self, request_id: str, prompt: list[int], sampling: Sampling) -> None:

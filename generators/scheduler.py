@@ -223,7 +223,7 @@ class EnginePump:
             probe = None
             if self.feed.probe_ids:  # nothing runs in the engine now: the probe has it to itself
                 probe = await loop.run_in_executor(self._thread, self.engine.score, self.feed.probe_ids)
-            self.feed.applied(update, seconds, probe)
+            self.feed.applied(update, seconds, probe, self.engine.probe_routing if probe is not None else None)
         finally:
             self._applying = False
         for turn in running:  # only continue | abort get here with running turns

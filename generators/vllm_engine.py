@@ -68,6 +68,44 @@ class WeightReloadExtension:
 
     def asyncrl_reload(self, tensors: dict[str, torch.Tensor]) -> None:
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+        repack_cpu_experts(self.model_runner.get_model())
+
+    def asyncrl_routing(self, record: bool) -> dict[int, list] | None:
+        """Start (``record``) or stop recording a mixture of experts' expert choices; stopping returns them,
+        per layer: the (tokens, top_k) ids of every forward since the start, concatenated. None: no routers.
+        vLLM's routers take a capture function (``set_capture_fn``, what its own routing capture uses)."""
+        runners = [
+            m for m in self.model_runner.get_model().modules() if hasattr(getattr(m, "router", None), "set_capture_fn")
+        ]
+        if not runners:
+            return None
+        if not getattr(self, "_asyncrl_hooked", False):
+            self._asyncrl_routes = None
+            for runner in runners:
+                runner.router.set_capture_fn(lambda ids, layer=runner.layer_id: self._asyncrl_route(layer, ids))
+            self._asyncrl_hooked = True
+        routes, self._asyncrl_routes = self._asyncrl_routes, ({} if record else None)
+        return None if record else {layer: torch.cat(rows).tolist() for layer, rows in (routes or {}).items()}
+
+    def _asyncrl_route(self, layer: int, ids: torch.Tensor) -> None:
+        if self._asyncrl_routes is not None:
+            self._asyncrl_routes.setdefault(layer, []).append(ids.detach().cpu())
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Packs a mixture of experts' weights again after a reload on CPU; returns the layers packed. vLLM 0.32's
+    CPU MoE kernel packs them into its grouped-gemm layout once, at load (``CPUUnquantizedExperts.
+    process_weights_after_loading``); a reload copies the new, unpacked weights into place and does not pack
+    them again, so every expert then computes with scrambled weights and nothing fails (measured: reloading
+    the SAME weights moved log-probs by 0.13). Other kernels' hook is a no-op, and is left alone."""
+    packed = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if experts is not None and type(experts).__name__.startswith("CPU") and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)
+            packed += 1
+    return packed
 
 
 class VllmEngine(Engine):
@@ -109,6 +147,8 @@ class VllmEngine(Engine):
             gpu_memory_utilization=0.3,
         )
         self.stepped = False
+        # a mixture of experts: its routers record the probe's expert choices (WeightReloadExtension.asyncrl_routing)
+        self.moe = self.llm.collective_rpc("asyncrl_routing", args=(False,))[0] is not None
         self._parents: dict[str, str] = {}  # our id -> vLLM's internal id, for running n-sample requests
         log.info("vllm engine up")
 
@@ -149,13 +189,22 @@ class VllmEngine(Engine):
         if engine.has_unfinished_requests():
             raise RuntimeError("score() while requests are running: their outputs would be lost")
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        if self.moe:
+            self.llm.collective_rpc("asyncrl_routing", args=(True,))
         engine.add_request("probe", {"prompt_token_ids": list(ids)}, params)
+        logprobs = None
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:  # prompt_logprobs[0] is None (no context); 0: each token's own only
                     steps = out.prompt_logprobs[1:]
-                    return [float(step[tok].logprob) for step, tok in zip(steps, ids[1:], strict=True)]
-        raise RuntimeError("the probe request ended without output")
+                    logprobs = [float(step[tok].logprob) for step, tok in zip(steps, ids[1:], strict=True)]
+        if self.moe:  # one prefill of the whole probe (no cached prefix: a load resets the cache) -> a row per token
+            routes = self.llm.collective_rpc("asyncrl_routing", args=(False,))[0]
+            whole = all(len(rows) == len(ids) for rows in routes.values())
+            self.probe_routing = [[sorted(r) for r in routes[layer]] for layer in sorted(routes)] if whole else None
+        if logprobs is None:
+            raise RuntimeError("the probe request ended without output")
+        return logprobs
 
     def abort_requests(self, request_ids: list[str]) -> None:
         engine = self.llm.llm_engine

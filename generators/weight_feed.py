@@ -30,14 +30,15 @@ class WeightFeed:
         heartbeat: Callable[..., None],
         version: int = 0,
         probe_ids: list[int] | None = None,
-        compare: Callable[[int, list[float]], float | None] | None = None,
+        compare: Callable[..., dict[str, float]] | None = None,
         aliases: dict[str, str] | None = None,
         adapter: tuple[str, float] | None = None,
     ) -> None:
         """``metrics`` is a sink (``log(record)``); ``heartbeat(version=, checksum=)`` says which
         weights this process serves now. ``version`` is the one loaded at start (the weights on disk).
         ``probe_ids``: the sequence the engine scores after each apply (``asyncrl.observe.probe``), and
-        ``compare(version, logprobs)`` its largest difference from the learner's (None: unknown).
+        ``compare(version, logprobs, routing)`` the record's figures against the learner's probe
+        (``asyncrl.observe.probe.compare``: the log-prob difference, a mixture of experts' routing difference).
         ``aliases``: the model's tied names (``asyncrl.weights.ties``), put back into each version.
         ``adapter``: (``model.path``, alpha / rank) of a LoRA run, whose versions are adapters merged into
         the base weights read from that path (``asyncrl.weights.lora``)."""
@@ -76,9 +77,11 @@ class WeightFeed:
             tensors = {**self._base, **merge(self._base, tensors, self.adapter[1])}
         return retied(tensors, self.aliases)
 
-    def applied(self, update: WeightUpdate, seconds: float, probe: list[float] | None = None) -> None:
+    def applied(
+        self, update: WeightUpdate, seconds: float, probe: list[float] | None = None, routing: list | None = None
+    ) -> None:
         """The engine serves ``update`` now; loading it took ``seconds``; ``probe``: the engine's
-        log-probs of ``probe_ids`` with it."""
+        log-probs of ``probe_ids`` with it, and ``routing`` its expert choices there (a mixture of experts)."""
         self.version = update.version
         self._heartbeat(version=self.version, checksum=update.checksum)
         now = time.time()
@@ -92,7 +95,5 @@ class WeightFeed:
             "weights/checksum": update.checksum,  # the bytes applied: the publisher's, verified
         }
         if probe is not None and self._compare is not None:
-            diff = self._compare(self.version, probe)
-            if diff is not None:
-                record["weights/probe_logprob_diff"] = diff
+            record.update(self._compare(self.version, probe, routing))
         self._metrics.log(record)

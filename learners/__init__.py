@@ -11,5 +11,5 @@ the presets (a name expanding to one piece of each kind plus defaults) are torch
 ``asyncrl.config.pieces`` and ``asyncrl.config.presets``. ``objective`` composes a preset's pieces into
 one step's losses (split-invariant over ranks); ``models`` builds the reference model and the critic.
 
-May import: the core, asyncrl.buffers, asyncrl.weights, asyncrl.observe.
+May import: the core, asyncrl.buffers, asyncrl.weights, asyncrl.observe, asyncrl.models.
 """

@@ -71,6 +71,7 @@ from asyncrl.learners.objective import (
     take_rows,
 )
 from asyncrl.lifetime import exit_after_collectives
+from asyncrl.models.routers import RouterTap, add_router_terms, choices_of
 from asyncrl.observe import probe
 from asyncrl.observe.metrics import RedisSink, Timings, setup_logging
 from asyncrl.protocol import TrajectoryGroup
@@ -117,6 +118,7 @@ class Models:
     policy: object  # DeepSpeed engine around the HF causal LM (the only model published to generators)
     critic: object | None = None  # DeepSpeed engine around learners.models.ValueModel
     reference: torch.nn.Module | None = None  # frozen initial policy, for the KL term
+    routers: RouterTap | None = None  # a mixture of experts' routers (learners.routers)
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ def build_models(learner: LearnerConfig, model_cfg: ModelConfig, algorithm: Algo
     policy = build_engine(learner, model_cfg, steps)
     critic = build_critic(learner, model_cfg, steps, algorithm.critic_lr) if preset.needs_critic else None
     reference = load_reference(model_cfg, policy.device) if preset.uses_kl else None
-    return Models(policy, critic, reference)
+    return Models(policy, critic, reference, RouterTap(policy))
 
 
 def train_step(
@@ -164,27 +166,38 @@ def train_step(
         batch["behaviour_logprobs"],
         batch.get("turn_rewards"),
     )
+    if models.routers is None:
+        models.routers = RouterTap(models.policy)
+    tap = models.routers
     if learner.minibatches * learner.epochs == 1:
-        logprobs, values = _forward(models, batch, temperature)
+        with tap:
+            logprobs, values = _forward(models, batch, temperature)
         out = step_loss(preset, step, logprobs, reducer, world, max_len, ref_logprobs=ref, values=values)
+        add_router_terms(tap, out, learner.router_aux_loss_coef, reducer)
         _optimizer_step(models, out)
         return out, behaviour_mismatch(logprobs.detach(), batch)
-    with torch.no_grad():
+    with torch.no_grad(), tap:
         prox, old_values = _forward(models, batch, temperature)
+    routing = StepLoss(torch.zeros(()), None, {})
+    add_router_terms(tap, routing, 0.0, reducer)  # the metrics, over the whole batch
     inputs = prepare_batch(preset, step, prox, reducer, ref_logprobs=ref, old_values=old_values)
     outs = []
     for _ in range(learner.epochs):
         for rows in minibatch_rows(step.group_ids, learner.minibatches):
             sub = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "response_mask")}
-            logprobs, values = _forward(models, sub, temperature)
+            with tap:
+                logprobs, values = _forward(models, sub, temperature)
             out = minibatch_loss(
                 preset, take_rows(step, rows), take_rows(inputs, rows), logprobs, reducer, world, max_len, values
             )
+            if tap and learner.router_aux_loss_coef > 0:
+                out.policy_loss = out.policy_loss + learner.router_aux_loss_coef * tap.aux_loss()
             _optimizer_step(models, out)
             outs.append(out)
     value_loss = torch.stack([o.value_loss.detach() for o in outs]).mean() if outs[0].value_loss is not None else None
     loss = torch.stack([o.policy_loss.detach() for o in outs]).mean()
-    return StepLoss(loss, value_loss, mean_metrics([o.metrics for o in outs])), behaviour_mismatch(prox, batch)
+    metrics = {**mean_metrics([o.metrics for o in outs]), **routing.metrics}
+    return StepLoss(loss, value_loss, metrics), behaviour_mismatch(prox, batch)
 
 
 def _forward(models: Models, batch: dict, temperature: float):
@@ -202,6 +215,13 @@ def _optimizer_step(models: Models, out: StepLoss) -> None:
     if out.value_loss is not None:
         models.critic.backward(out.value_loss)
         models.critic.step()
+
+
+def probe_of(models: Models, ids: list[int]) -> tuple[list[float], list | None]:
+    """The weight-sync probe's log-probs and, for a mixture of experts, its expert choices (``choices_of``)."""
+    with models.routers:
+        logprobs = probe_logprobs(models.policy, ids)
+    return logprobs, choices_of(models.routers)
 
 
 @torch.no_grad()
@@ -314,12 +334,12 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
     publisher = start_publisher(cfg) if rank == 0 else None
     # the probe's forward is a collective under ZeRO-3 (every rank); otherwise rank 0, which publishes, alone
     probing = publisher is not None or cfg.learner.zero_stage == 3
-    probed = probe_logprobs(engine, probe_seq) if probing else None
+    probed = probe_of(models, probe_seq) if probing else None
     state = full_state_dict(engine, cfg.learner.zero_stage)
     if publisher is not None:
         # before any generator applies; a LoRA policy's names are its HF model's
         control.set_meta("tied", json.dumps(module_aliases(base_model(engine.module))))
-        probe.publish(control, start, probed)
+        probe.publish(control, start, *probed)
         buffer.set_version(start)
         publisher.publish(start, state)
         control.set_meta("weights_address", publisher.address)
@@ -346,10 +366,10 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         control.count_staleness(stale)
         timings.time("train")
         # 4. publish (the probe first: a generator applying the version finds it)
-        probed = probe_logprobs(engine, probe_seq) if probing else None
+        probed = probe_of(models, probe_seq) if probing else None
         state = full_state_dict(engine, cfg.learner.zero_stage)
         if publisher is not None:
-            probe.publish(control, version + 1, probed)
+            probe.publish(control, version + 1, *probed)
             buffer.set_version(version + 1)
             publisher.publish(version + 1, state)
         timings.time("publish")

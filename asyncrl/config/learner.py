@@ -27,6 +27,12 @@ class LearnerConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    router_aux_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="A mixture of experts: this times the router's load-balancing loss (Switch Transformer's, "
+        "1.0 when balanced: learner/moe_aux_loss) is added to the policy loss; 0 = reported only.",
+    )
     activation_checkpointing: bool = Field(
         False,
         description="Recompute each decoder layer's activations in backward (HF gradient checkpointing) instead "

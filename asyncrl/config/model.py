@@ -23,6 +23,7 @@ class LoraConfig(Section):
 # Where each model recipe builds (and caches) its model.
 RECIPE_PATHS = {
     "demo-sort": ".cache/models/demo-sort",
+    "demo-sort-moe": ".cache/models/demo-sort-moe",
     "demo-calc": ".cache/models/demo-calc",
     "demo-guess": ".cache/models/demo-guess",
     "smollm2-135m-instruct": ".cache/models/smollm2-135m-instruct",
@@ -36,7 +37,7 @@ class ModelConfig(Section):
         "into .cache/models/gguf-<name>-<hash>/, which the run then uses everywhere. None: the recipe's own "
         "cache directory; a run with neither is an error.",
     )
-    recipe: Literal["demo-sort", "demo-calc", "demo-guess", "smollm2-135m-instruct"] | None = Field(
+    recipe: Literal["demo-sort", "demo-sort-moe", "demo-calc", "demo-guess", "smollm2-135m-instruct"] | None = Field(
         None,
         description="Build the model with this recipe when `path` is the recipe's own cache directory "
         "(.cache/models/<recipe>) and has no model yet (the demos' SFT warm-up; smollm2-135m-instruct: "

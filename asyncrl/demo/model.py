@@ -22,6 +22,7 @@ from typing import Any
 from asyncrl.demo import sort
 
 RECIPE = "demo-sort"
+MOE_RECIPE = "demo-sort-moe"  # the same task and warm-up on a mixture of experts (build_moe_model)
 RECIPE_FILE = "asyncrl_recipe.json"
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 MAX_POSITIONS = 64  # longest prompt (12) + max_new_tokens (<= 16) + slack; vLLM reads this as max_model_len
@@ -95,6 +96,39 @@ def build_model(tokenizer, seed: int = 0, max_positions: int = MAX_POSITIONS):
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).float()
+
+
+def build_moe_model(tokenizer, seed: int = 0, max_positions: int = MAX_POSITIONS):
+    """A fresh tiny Qwen3-MoE, the dense demo's size with each MLP split into 8 experts of which every token
+    takes 2 (in both layers); float32, untied head. An expert is 64 wide: vLLM's CPU MoE kernel pads widths to
+    a multiple of 32 and then refuses weight updates of any other."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,  # unused: every layer is sparse (mlp_only_layers empty, decoder_sparse_step 1)
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=max_positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config).float()
 
 
 def sample_tokens(
@@ -213,15 +247,17 @@ def sft_warmup(
     return loss.item()
 
 
-def build_sort(seed: int, log: Callable[[str], Any]):
+def build_sort(seed: int, log: Callable[[str], Any], recipe: str = RECIPE):
+    """The sort demo's model (``recipe`` demo-sort: a Llama; demo-sort-moe: a Qwen3-MoE), warmed up."""
     import torch
 
     torch.manual_seed(seed)
     started = time.monotonic()
     train, held_out = sort.make_splits(sort.N_TRAIN, sort.N_EVAL, sort.DATA_SEED)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed)
-    log(f"demo model: SFT warm-up of a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-param Llama")
+    model = (build_moe_model if recipe == MOE_RECIPE else build_model)(tokenizer, seed)
+    kind = type(model).__name__.removesuffix("ForCausalLM")
+    log(f"demo model: SFT warm-up of a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-param {kind}")
     sft_warmup(model, tokenizer, train, seed, log)
     scores = greedy_eval(model.eval(), tokenizer, held_out)
     seconds = time.monotonic() - started
@@ -230,7 +266,7 @@ def build_sort(seed: int, log: Callable[[str], Any]):
         f"reward {scores['reward_mean']:.3f} exact {scores['exact_rate']:.3f}"
     )
     record = {
-        "recipe": RECIPE,
+        "recipe": recipe,
         "seed": seed,
         "sft_steps": SFT_STEPS,
         "sft_sorted_fraction": SFT_SORTED_FRACTION,

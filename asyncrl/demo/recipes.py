@@ -40,8 +40,8 @@ def prepare_demo_model(
         return path
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} exists, is not empty and holds no {RECIPE_FILE}; not overwriting it")
-    if recipe == RECIPE:
-        model, tokenizer, record = model_mod.build_sort(seed, log)
+    if recipe in (RECIPE, model_mod.MOE_RECIPE):
+        model, tokenizer, record = model_mod.build_sort(seed, log, recipe)
     else:
         model, tokenizer, record = warmup.build(recipe, seed, log)
     _publish(path, model, tokenizer, record)

@@ -33,6 +33,7 @@ PROBE_TOKENS = 64
 KEEP_VERSIONS = 8  # probes kept in Redis: a generator that applies a version this late gets none
 FIELD_PREFIX = "probe:"  # the run's metadata field of version v is probe:<v>
 DIFF_PREFIX = "probe_diff:"  # ... and the largest difference a generator found at v, probe_diff:<v>
+ROUTING_PREFIX = "probe_routing:"  # a mixture of experts: the learner's expert choices of the probe at v
 # Keep the larger of the stored and the new difference; a non-finite one (stored as "nan") stays: it is
 # the worst there is.
 _KEEP_MAX = """
@@ -59,16 +60,45 @@ def diff_field(version: int) -> str:
 
 
 def is_probe_field(name: str) -> bool:
-    """Whether a metadata field is the probe's (its log-probs or a difference), not the run's own."""
-    prefix = DIFF_PREFIX if name.startswith(DIFF_PREFIX) else FIELD_PREFIX
+    """Whether a metadata field is the probe's (its log-probs, routing or a difference), not the run's own."""
+    prefix = next((p for p in (DIFF_PREFIX, ROUTING_PREFIX) if name.startswith(p)), FIELD_PREFIX)
     return name.startswith(prefix) and name[len(prefix) :].lstrip("-").isdigit()
 
 
-def publish(control, version: int, logprobs: Sequence[float]) -> None:
-    """The learner's log-probs of version ``version`` (older probes and their differences are dropped)."""
+def publish(control, version: int, logprobs: Sequence[float], routing: list | None = None) -> None:
+    """The learner's log-probs of version ``version`` and, for a mixture of experts, its expert choices of
+    the probe (per layer, per token, sorted: ``asyncrl.learners.routers.choices_of``); older probes and their
+    differences are dropped."""
+    if routing is not None:
+        control.set_meta(f"{ROUTING_PREFIX}{version}", json.dumps(routing))
+        control.forget_meta(f"{ROUTING_PREFIX}{version - KEEP_VERSIONS}")
     control.set_meta(field(version), json.dumps([float(x) for x in logprobs]))
     control.forget_meta(field(version - KEEP_VERSIONS))
     control.forget_meta(diff_field(version - KEEP_VERSIONS))
+
+
+def compare(control, version: int, logprobs: Sequence[float], routing: list | None = None) -> dict[str, float]:
+    """A generator's record of its probe at ``version`` against the learner's: ``weights/probe_logprob_diff``
+    (:func:`difference`) and, for a mixture of experts, ``weights/probe_routing_diff``: the fraction of
+    (token, layer) whose top-k experts differ between the engine and the learner with the same weights.
+    Empty when the learner's probe of ``version`` is gone."""
+    record = {}
+    diff = difference(control, version, logprobs)
+    if diff is not None:
+        record["weights/probe_logprob_diff"] = diff
+    stored = control.get_meta(f"{ROUTING_PREFIX}{version}") if routing is not None else None
+    if stored is not None:
+        record["weights/probe_routing_diff"] = routing_difference(json.loads(stored), routing)
+    return record
+
+
+def routing_difference(learner: list, engine: list) -> float:
+    """The fraction of (layer, token) pairs whose sorted top-k expert ids differ; the shapes must agree."""
+    if len(learner) != len(engine) or any(len(a) != len(b) for a, b in zip(learner, engine, strict=True)):
+        shapes = [len(layer) for layer in learner], [len(layer) for layer in engine]
+        raise ValueError(f"probe routing: the learner's has tokens per layer {shapes[0]}, the engine's {shapes[1]}")
+    pairs = [(a, b) for la, le in zip(learner, engine, strict=True) for a, b in zip(la, le, strict=True)]
+    return sum(list(a) != list(b) for a, b in pairs) / max(len(pairs), 1)
 
 
 def difference(control, version: int, logprobs: Sequence[float]) -> float | None:

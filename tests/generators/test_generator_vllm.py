@@ -18,11 +18,12 @@ import torch
 pytest.importorskip("vllm")
 
 from generator_common import apply_newest, make_generator, play_groups  # noqa: E402
+from vllm_common import PlainParamsExtension  # noqa: E402
 from weights_common import InjectingBus  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.control import RunControl, connect  # noqa: E402
-from asyncrl.generators.vllm_engine import VllmEngine, WeightReloadExtension  # noqa: E402
+from asyncrl.generators.vllm_engine import VllmEngine  # noqa: E402
 from asyncrl.protocol import decode_group  # noqa: E402
 from asyncrl.weights import setup_publisher, setup_subscriber, state_dict_checksum  # noqa: E402
 from asyncrl.weights.wire import encode  # noqa: E402
@@ -49,15 +50,6 @@ def cfg(tiny_model_dir):
             "run.generators": 1,
         },
     )
-
-
-class PlainParamsExtension(WeightReloadExtension):
-    """The product's worker extension plus a read-back of the parameters vLLM still holds as plain
-    tensors (embeddings, norms, head). On CPU the linear layers' weights live in opaque prepacked
-    oneDNN handles and read back as empty."""
-
-    def asyncrl_plain_params(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().clone() for name, p in self.model_runner.get_model().named_parameters() if p.numel()}
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +340,7 @@ class PollSwitchFeed:
     def engine_tensors(self, update):
         return update[1]
 
-    def applied(self, update, seconds, probe=None):
+    def applied(self, update, seconds, probe=None, routing=None):
         self.version = update[0]
 
 

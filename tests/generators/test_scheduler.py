@@ -83,7 +83,7 @@ class ScriptedFeed:
     def engine_tensors(self, update):
         return update.tensors  # a full version, no tied names
 
-    def applied(self, update, seconds, probe=None):
+    def applied(self, update, seconds, probe=None, routing=None):
         self.version = update.version
 
 

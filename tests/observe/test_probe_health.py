@@ -70,3 +70,27 @@ def test_status_shows_the_sync_figure(redis_server, control):
     text = console.export_text()
     assert "weight sync (probe): largest |generator - learner| log-prob 0.003 at versions 2-3" in text
     assert "probe:" not in text and "probe_diff" not in text
+
+
+@pytest.mark.redis
+def test_a_mixture_of_experts_record_compares_the_expert_choices_too(control):
+    """The learner publishes its expert choices of the probe with each version (per layer, per token, sorted);
+    a generator's record has the fraction of (layer, token) whose choices differ from its engine's."""
+    learner = [[[0, 3], [1, 2], [2, 5]], [[4, 7], [0, 1], [3, 6]]]
+    probe.publish(control, 1, LEARNER, learner)
+    assert probe.compare(control, 1, LEARNER, learner) == {
+        "weights/probe_logprob_diff": 0.0,
+        "weights/probe_routing_diff": 0.0,
+    }
+    engine = [[[0, 3], [1, 4], [2, 5]], [[4, 7], [0, 1], [3, 5]]]  # two of six (layer, token) differ
+    assert probe.compare(control, 1, LEARNER, engine)["weights/probe_routing_diff"] == pytest.approx(2 / 6)
+    assert "weights/probe_routing_diff" not in probe.compare(control, 1, LEARNER)  # a dense engine: no routing
+    probe.publish(control, 2, LEARNER)  # a dense learner: nothing to compare the engine's choices with
+    assert probe.compare(control, 2, LEARNER, engine) == {"weights/probe_logprob_diff": 0.0}
+    assert probe.compare(control, 9, LEARNER, engine) == {}  # the learner's probe is gone
+    with pytest.raises(ValueError, match="tokens per layer"):
+        probe.routing_difference(learner, [layer[:2] for layer in engine])
+    for version in range(3, 3 + probe.KEEP_VERSIONS):  # old routing goes with its probe
+        probe.publish(control, version, LEARNER, learner)
+    assert control.get_meta(f"{probe.ROUTING_PREFIX}1") is None
+    assert probe.is_probe_field(f"{probe.ROUTING_PREFIX}3") and not probe.is_probe_field("probe_routing:x")
