@@ -55,7 +55,6 @@ from asyncrl.secret import ENV as SECRET_ENV
 from asyncrl.secret import new_secret, read_secret, redis_password, write_secret
 
 STOP_GRACE_S = 10.0  # children get this long to leave on their own before SIGTERM, then SIGKILL
-DEFER_LIMIT_S = 60.0  # generators held back at spawn (see Launcher.spawn) start after this at the latest
 OWN_REDIS_RETRIES = 1  # the launcher's clients of the redis-server it runs (see Launcher.run)
 FINAL_EVAL_TIMEOUT_S = 180.0  # after the learners finish, how long the final evaluation may take
 
@@ -84,8 +83,6 @@ class Launcher:
         self.secret = ""
         self.learner_master = ""  # host:port of the learners' rendezvous
         self.fleet: set[str] = set()  # the live generators, as of the last look
-        self.deferred: list[Child] = []  # generators not started yet (see spawn)
-        self.deferred_until = 0.0  # when they start anyway
         self.reserve = Reserve(self.run_dir)  # room for the end of a run on a full disk
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -202,28 +199,11 @@ class Launcher:
             cmd += ["--log-file", str(log_path)]
             child = Child("generator", i, cmd, env, log_path, nice=self.generator_nice, nice_when_up=i == 0)
             self.children.append(child)
-        if self.pin_cpus and ncpu < local + cfg.run.generators:
-            # start-ups compete for the cores, and the first learner step waits for the learners and ONE
-            # generator: the others start once the learners are ready (their CPU is free again) or that
-            # generator is up (or gone, or late)
-            self.deferred = [c for c in self.children if c.role == "generator" and c.ident > 0]
-            self.deferred_until = time.monotonic() + DEFER_LIMIT_S
+        # all at once: the other generators' start-ups (niced) then come up in the CPU the learners' leave them,
+        # by about the 18th of the demo's 40 steps; held back until the learners were ready (before 2026-12-04),
+        # they came up by about the 26th for the same CPU-seconds and first step (docs/benchmarks.md)
         for child in self.children:
-            if child not in self.deferred:
-                child.start()
-
-    def start_deferred(self, control: RunControl) -> None:
-        """Start the generators spawn held back once the learners are ready (rank 0 advertises its weights),
-        or generator 0 serves (is in the fleet) or exited, or they are late."""
-        first = next((c for c in self.children if c.role == "generator" and c.ident == 0), None)
-        if not self.deferred or first is None:
-            return
-        ready = "0" in self.fleet or first.proc.poll() is not None or time.monotonic() > self.deferred_until
-        if ready or control.get_meta("weights_address") is not None:
-            for c in self.deferred:
-                c.start()
-            self.deferred = []
-            self.write_run_info()
+            child.start()
 
     # -- supervision -------------------------------------------------------------------------------
     def check_children(self, control: RunControl) -> str | None:
@@ -299,7 +279,6 @@ class Launcher:
                 c.incarnation += 1
         control.forget_meta("weights_address")  # generators wait for the new publisher's
         self.new_rendezvous()
-        self.deferred = []  # all start now
         for c in self.children:
             c.start()
         self.write_run_info()
@@ -479,7 +458,6 @@ class Launcher:
                 try:
                     self.stats.drain(control, say=self.log, buffer=self.buffer)  # + the buffer's depth
                     self.watch_fleet(control)
-                    self.start_deferred(control)
                     progress.update(self.stats)
                     fatal = control.get_meta("fatal")
                     if fatal is not None:  # a generator's failure limit: the run trains on nothing
