@@ -3,8 +3,8 @@
 Installed as ``asyncrl.generators``. Engines (vLLM, transformers) are imported lazily by
 :func:`asyncrl.generators.engine.setup`. ``worker`` is the process; ``scheduler`` pumps the engine for every
 episode in flight; ``evaluation`` decides which version evaluates each eval point (the first served at or
-after it); ``accounting`` counts episodes and holds the failure limit; ``outcomes`` turns an episode into its wire
-sample; ``weight_feed`` applies new versions.
+after it); ``accounting`` counts episodes and holds the failure limit; ``lease`` keeps the fleet lease between
+ticks; ``outcomes`` turns an episode into its wire sample; ``weight_feed`` applies new versions.
 
 May import: the core, asyncrl.buffers, asyncrl.weights, asyncrl.observe, asyncrl.episodes,
 asyncrl.rewards, asyncrl.models.

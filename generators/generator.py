@@ -5,11 +5,11 @@ One event loop runs up to ``generator.episodes_in_flight`` episodes (whole group
 ``n_samples`` episodes of one task) and one :class:`~asyncrl.generators.scheduler.EnginePump` that
 samples their turns continuously. The loop, every ``TICK_S`` or when a group ends:
 
-  0. lease   - every ``TICK_S`` only (not at each group's end: its Redis round trips would hold the
-               event loop, and the engine pump on it): the run's stop, renew this generator's lease
-               in the run's fleet (``RunControl.renew``) and read the fleet's size; a lost lease
-               (stalled past ``MEMBER_TTL_S``: the launcher reaped it and gave its slots back) ends
-               the process before it claims or pushes anything more
+  0. lease   - every ``TICK_S`` only (not at each group's end: its Redis round trips would hold the loop):
+               the run's stop, renew this generator's lease in the fleet (``RunControl.renew``; a thread
+               renews it between ticks: ``generators.lease``) and read the fleet's size; a lost lease
+               (the launcher reaped it and gave its slots back) ends the process before it claims or
+               pushes anything more
   1. eval    - if the served version reached an eval point (at it, or past it: ``evaluation``) that no
                other generator claimed, start a greedy held-out evaluation of it (it holds the weights
                until done: one version throughout)
@@ -28,12 +28,11 @@ generator that resumes them), and the generator leaves the fleet at once (no lea
 Weights are applied by the pump between engine steps (``generator.engine.on_weight_update``).
 
 Group outcomes: pushed (every sample with its status), or, when an episode failed under
-``episode.failure_policy: drop_group`` (or every episode failed), ``failed``: not pushed, its
-admission slot given back and counted. Slots of groups that never reach the buffer (too-long
-prompts, shutdown) are given back as ``abandoned``. Every claim, push and release names this
-generator as the group's producer, so the buffer knows, in the same atomic step, which groups it
-holds: those of a generator killed at any instant are exactly what the launcher gives back, or orphans
-when journaled (``Buffer.release_held``).
+``episode.failure_policy: drop_group`` (or every episode failed), ``failed``: not pushed, its admission
+slot given back and counted. Slots of groups that never reach the buffer (too-long prompts, shutdown) are
+given back as ``abandoned``. Every claim, push and release names this generator as the group's producer,
+so the buffer knows, atomically, which groups it holds: those of a generator killed at any instant are
+what the launcher gives back, or orphans when journaled (``Buffer.release_held``).
 """
 
 from __future__ import annotations
@@ -68,6 +67,7 @@ from asyncrl.generators.evaluation import (
     samples_record,
 )
 from asyncrl.generators.journal import GroupJournal
+from asyncrl.generators.lease import LeaseKeeper, LeaseLost
 from asyncrl.generators.outcomes import episode_seed, to_sample
 from asyncrl.generators.scheduler import EnginePump, GroupTurns
 from asyncrl.generators.weight_feed import WeightFeed
@@ -82,10 +82,6 @@ log = logging.getLogger("asyncrl.generator")
 
 TICK_S = 0.2  # the fleet's pace (stop flag, lease, fleet size, orphans), and the loop's when nothing happens
 REPORT_S = 2.0  # metrics interval: often enough for the progress line, rare enough for hundreds of episodes
-
-
-class LeaseLost(RuntimeError):
-    """This generator's lease expired (it stalled) and the run gave its admission slots away."""
 
 
 class Generator:
@@ -105,6 +101,8 @@ class Generator:
         self.engine, self.buffer, self.control = engine, buffer, control
         self.metrics = RedisSink(control, f"generator/{ident}")
         self.lease = control.join("generator", ident)  # a member of the fleet from here on
+        self.beat: dict = {"version": 0, "pid": os.getpid()}  # the last heartbeat's fields
+        self.keeper = LeaseKeeper(lambda: control.renew("generator", ident, self.lease, **self.beat))
         self.fleet = 1  # live generators, as of the last tick (admission shares are sized by it)
         self.stopping = False  # SIGTERM: leave the run cleanly
         ep = cfg.episode
@@ -404,8 +402,9 @@ class Generator:
     def heartbeat(self, **fields) -> None:
         """Renew this generator's lease in the fleet; a lost lease (it stalled past the lease's life and
         its slots were given back) ends the process before it can push groups it no longer holds."""
-        beat = {"version": self.version, "pid": os.getpid(), **fields}
-        if not self.control.renew("generator", self.ident, self.lease, **beat):
+        self.beat = {"version": self.version, "pid": os.getpid(), **fields}  # the keeper's too
+        self.keeper.tick()
+        if self.keeper.lost or not self.control.renew("generator", self.ident, self.lease, **self.beat):
             raise LeaseLost(f"generator {self.ident} lost its lease (no heartbeat for {MEMBER_TTL_S:.0f}s)")
 
     def stop(self) -> None:
@@ -421,6 +420,7 @@ class Generator:
     async def run(self) -> None:
         """Until the run stops, the launcher dies, failures pass the limit, or SIGTERM."""
         parent, pump = os.getppid(), asyncio.create_task(self.pump.run())
+        self.keeper.start()  # renews the lease between ticks (generators.lease)
         last_report, last_tick = time.monotonic(), -TICK_S
         try:
             while not self.stopping and os.getppid() == parent:
@@ -454,6 +454,7 @@ class Generator:
             self.lease = None  # the reaper gave this generator's slots back already
             raise
         finally:
+            self.keeper.close()
             await self.shutdown(pump)
             with contextlib.suppress(Exception):  # best effort: the run may be ending because Redis died
                 self.report()  # the last interval's figures, the episodes just cancelled too
