@@ -36,6 +36,7 @@ def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = T
         load_reward(spec, cfg.episode.reward_timeout_s)  # imports it, or checks its URL or export
     load_episode(cfg.episode)  # the episode function or Env, its tools and tool parser
     check_model_path(cfg.model)
+    check_experts(cfg)
     check_lora(cfg.model)
     if prompts:
         check_prompt_lengths(cfg)
@@ -230,6 +231,26 @@ def _context_length(model_path: str, max_model_len: int | None) -> int:
     from asyncrl.generators.engine import context_length
 
     return context_length(model_path, max_model_len)
+
+
+CPU_EXPERT_ALIGN = 32  # vLLM 0.32's CPU MoE kernel pads an expert's width to this, then refuses reloads
+
+
+def check_experts(cfg: Config) -> None:
+    """A mixture of experts vLLM's CPU backend would start but then fail to update (``moe_intermediate_size``
+    not a multiple of 32: every weight version after the first fails and leaves the engine broken)."""
+    import json
+
+    path = Path(cfg.model.path or "") / "config.json"
+    if cfg.generator.engine.type != "vllm" or not path.is_file() or Path("/proc/driver/nvidia/version").exists():
+        return
+    width = json.loads(path.read_text()).get("moe_intermediate_size")
+    if isinstance(width, int) and width % CPU_EXPERT_ALIGN:
+        raise UserError(
+            f"model {cfg.model.path}: moe_intermediate_size {width} is not a multiple of {CPU_EXPERT_ALIGN}; vLLM's "
+            f"CPU MoE kernel pads it and then refuses every weight update: use generator.engine.type=hf, or a width "
+            f"that is a multiple of {CPU_EXPERT_ALIGN}"
+        )
 
 
 def check_model_path(model: ModelConfig) -> None:

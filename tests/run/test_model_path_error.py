@@ -80,3 +80,19 @@ def test_launch_names_the_missing_path_in_one_line(tmp_path):
     assert out.returncode == 2, out.stderr
     assert_one_line_error(out, f"model.path {missing} does not exist")
     assert "recipe" not in out.stderr and "demo-sort" not in out.stderr
+
+
+def test_an_expert_width_vllms_cpu_kernel_cannot_update_is_one_line(tmp_path):
+    """vLLM 0.32's CPU MoE kernel pads expert widths to a multiple of 32 and then refuses every reload
+    (docs/models.md); preflight says so before anything starts, and the transformers engine is let through."""
+    import json
+
+    from asyncrl.run.preflight import check_experts
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "moe_intermediate_size": 48}))
+    cfg = load_config(None, {"model.path": str(tmp_path), "model.recipe": None})
+    with pytest.raises(UserError, match=r"moe_intermediate_size 48 is not a multiple of 32.*engine.type=hf"):
+        check_experts(cfg)
+    check_experts(load_config(None, {"model.path": str(tmp_path), "model.recipe": None, "generator.engine.type": "hf"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "moe_intermediate_size": 64}))
+    check_experts(cfg)
