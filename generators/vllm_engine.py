@@ -74,16 +74,14 @@ class WeightReloadExtension:
         """Start (``record``) or stop recording a mixture of experts' expert choices; stopping returns them,
         per layer: the (tokens, top_k) ids of every forward since the start, concatenated. None: no routers.
         vLLM's routers take a capture function (``set_capture_fn``, what its own routing capture uses)."""
-        runners = [
-            m for m in self.model_runner.get_model().modules() if hasattr(getattr(m, "router", None), "set_capture_fn")
-        ]
-        if not runners:
-            return None
-        if not getattr(self, "_asyncrl_hooked", False):
-            self._asyncrl_routes = None
+        if not hasattr(self, "_asyncrl_moe"):  # the first call (at the engine's start) hooks the routers, once
+            model, self._asyncrl_routes = self.model_runner.get_model(), None
+            runners = [m for m in model.modules() if hasattr(getattr(m, "router", None), "set_capture_fn")]
             for runner in runners:
                 runner.router.set_capture_fn(lambda ids, layer=runner.layer_id: self._asyncrl_route(layer, ids))
-            self._asyncrl_hooked = True
+            self._asyncrl_moe = bool(runners)
+        if not self._asyncrl_moe:
+            return None
         routes, self._asyncrl_routes = self._asyncrl_routes, ({} if record else None)
         return None if record else {layer: torch.cat(rows).tolist() for layer, rows in (routes or {}).items()}
 

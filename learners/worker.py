@@ -71,7 +71,7 @@ from asyncrl.learners.objective import (
     take_rows,
 )
 from asyncrl.lifetime import exit_after_collectives
-from asyncrl.models.routers import RouterTap, add_router_terms, choices_of
+from asyncrl.models.routers import RouterTap, add_aux_loss, choices_of, step_router_metrics
 from asyncrl.observe import probe
 from asyncrl.observe.metrics import RedisSink, Timings, setup_logging
 from asyncrl.protocol import TrajectoryGroup
@@ -118,7 +118,11 @@ class Models:
     policy: object  # DeepSpeed engine around the HF causal LM (the only model published to generators)
     critic: object | None = None  # DeepSpeed engine around learners.models.ValueModel
     reference: torch.nn.Module | None = None  # frozen initial policy, for the KL term
-    routers: RouterTap | None = None  # a mixture of experts' routers (learners.routers)
+    routers: RouterTap | None = None  # a mixture of experts' routers (asyncrl.models.routers); None: the policy's
+
+    def __post_init__(self) -> None:
+        if self.routers is None:
+            self.routers = RouterTap(self.policy)
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,7 @@ def build_models(learner: LearnerConfig, model_cfg: ModelConfig, algorithm: Algo
     policy = build_engine(learner, model_cfg, steps)
     critic = build_critic(learner, model_cfg, steps, algorithm.critic_lr) if preset.needs_critic else None
     reference = load_reference(model_cfg, policy.device) if preset.uses_kl else None
-    return Models(policy, critic, reference, RouterTap(policy))
+    return Models(policy, critic, reference)
 
 
 def train_step(
@@ -166,20 +170,18 @@ def train_step(
         batch["behaviour_logprobs"],
         batch.get("turn_rewards"),
     )
-    if models.routers is None:
-        models.routers = RouterTap(models.policy)
-    tap = models.routers
+    tap, coef = models.routers, learner.router_aux_loss_coef
     if learner.minibatches * learner.epochs == 1:
         with tap:
             logprobs, values = _forward(models, batch, temperature)
         out = step_loss(preset, step, logprobs, reducer, world, max_len, ref_logprobs=ref, values=values)
-        add_router_terms(tap, out, learner.router_aux_loss_coef, reducer)
+        add_aux_loss(tap, out, coef)
+        out.metrics.update(step_router_metrics(tap, reducer))
         _optimizer_step(models, out)
         return out, behaviour_mismatch(logprobs.detach(), batch)
     with torch.no_grad(), tap:
         prox, old_values = _forward(models, batch, temperature)
-    routing = StepLoss(torch.zeros(()), None, {})
-    add_router_terms(tap, routing, 0.0, reducer)  # the metrics, over the whole batch
+    routing = step_router_metrics(tap, reducer)  # over the whole batch
     inputs = prepare_batch(preset, step, prox, reducer, ref_logprobs=ref, old_values=old_values)
     outs = []
     for _ in range(learner.epochs):
@@ -190,13 +192,12 @@ def train_step(
             out = minibatch_loss(
                 preset, take_rows(step, rows), take_rows(inputs, rows), logprobs, reducer, world, max_len, values
             )
-            if tap and learner.router_aux_loss_coef > 0:
-                out.policy_loss = out.policy_loss + learner.router_aux_loss_coef * tap.aux_loss()
+            add_aux_loss(tap, out, coef)
             _optimizer_step(models, out)
             outs.append(out)
     value_loss = torch.stack([o.value_loss.detach() for o in outs]).mean() if outs[0].value_loss is not None else None
     loss = torch.stack([o.policy_loss.detach() for o in outs]).mean()
-    metrics = {**mean_metrics([o.metrics for o in outs]), **routing.metrics}
+    metrics = {**mean_metrics([o.metrics for o in outs]), **routing}
     return StepLoss(loss, value_loss, metrics), behaviour_mismatch(prox, batch)
 
 

@@ -74,12 +74,10 @@ def build_tokenizer(max_positions: int = MAX_POSITIONS):
     )
 
 
-def build_model(tokenizer, seed: int = 0, max_positions: int = MAX_POSITIONS):
-    """A fresh tiny Llama (head_dim 32: vLLM's CPU attention refuses 16), float32, untied head."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+def _tiny(tokenizer, max_positions: int) -> dict:
+    """The demo models' shared shape: 2 layers of width 128 (MLP 384), 4 heads of 32 (vLLM's CPU attention
+    refuses 16), the byte tokenizer's ids, float32, untied head."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=384,
@@ -94,6 +92,14 @@ def build_model(tokenizer, seed: int = 0, max_positions: int = MAX_POSITIONS):
         tie_word_embeddings=False,
         dtype="float32",
     )
+
+
+def build_model(tokenizer, seed: int = 0, max_positions: int = MAX_POSITIONS):
+    """A fresh tiny Llama (:func:`_tiny`)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**_tiny(tokenizer, max_positions))
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).float()
 
@@ -106,9 +112,7 @@ def build_moe_model(tokenizer, seed: int = 0, max_positions: int = MAX_POSITIONS
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=384,  # unused: every layer is sparse (mlp_only_layers empty, decoder_sparse_step 1)
+        **_tiny(tokenizer, max_positions),  # its intermediate_size unused: every layer is sparse
         moe_intermediate_size=64,
         num_experts=8,
         num_experts_per_tok=2,
@@ -116,16 +120,6 @@ def build_moe_model(tokenizer, seed: int = 0, max_positions: int = MAX_POSITIONS
         decoder_sparse_step=1,
         mlp_only_layers=[],
         router_aux_loss_coef=0.001,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-        max_position_embeddings=max_positions,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="float32",
     )
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config).float()

@@ -96,14 +96,18 @@ def router_metrics(counts: Tensor, probs: Tensor, tokens: Tensor, top_k: int) ->
     }
 
 
-def add_router_terms(tap: RouterTap, out, coef: float, reducer) -> None:
-    """Into a step's ``StepLoss`` (``learners.objective``), from the forward ``tap`` recorded: ``coef`` x the
-    auxiliary loss added to the policy loss (each rank its own tokens'), and :func:`router_metrics` over every
-    rank. Nothing for a model without routers."""
-    if not tap or not tap.logits:
-        return
-    if coef > 0:
+def add_aux_loss(tap: RouterTap, out, coef: float) -> None:
+    """``coef`` x the auxiliary loss of the forward ``tap`` recorded, added to a step's ``StepLoss.policy_loss``
+    (``learners.objective``; each rank its own tokens'). Nothing for a model without routers, or ``coef`` 0."""
+    if tap and tap.logits and coef > 0:
         out.policy_loss = out.policy_loss + coef * tap.aux_loss()
+
+
+def step_router_metrics(tap: RouterTap, reducer) -> dict[str, float]:
+    """:func:`router_metrics` of the forward ``tap`` recorded, over every rank (``reducer.sum``, a collective);
+    empty for a model without routers."""
+    if not tap or not tap.logits:
+        return {}
     sums = tap.sums()
     shapes = {k: v.shape for k, v in sums.items()}
     flat = reducer.sum(torch.cat([v.flatten() for v in sums.values()]).tolist())
@@ -112,7 +116,7 @@ def add_router_terms(tap: RouterTap, out, coef: float, reducer) -> None:
         size = shape.numel()
         total[key] = torch.tensor(flat[at : at + size]).reshape(shape)
         at += size
-    out.metrics.update(router_metrics(total["counts"], total["probs"], total["tokens"], tap.top_k))
+    return router_metrics(total["counts"], total["probs"], total["tokens"], tap.top_k)
 
 
 def choices_of(tap: RouterTap) -> list[list[list[int]]] | None:

@@ -59,6 +59,10 @@ def diff_field(version: int) -> str:
     return f"{DIFF_PREFIX}{version}"
 
 
+def routing_field(version: int) -> str:
+    return f"{ROUTING_PREFIX}{version}"
+
+
 def is_probe_field(name: str) -> bool:
     """Whether a metadata field is the probe's (its log-probs, routing or a difference), not the run's own."""
     prefix = next((p for p in (DIFF_PREFIX, ROUTING_PREFIX) if name.startswith(p)), FIELD_PREFIX)
@@ -67,11 +71,11 @@ def is_probe_field(name: str) -> bool:
 
 def publish(control, version: int, logprobs: Sequence[float], routing: list | None = None) -> None:
     """The learner's log-probs of version ``version`` and, for a mixture of experts, its expert choices of
-    the probe (per layer, per token, sorted: ``asyncrl.learners.routers.choices_of``); older probes and their
+    the probe (per layer, per token, sorted: ``asyncrl.models.routers.choices_of``); older probes and their
     differences are dropped."""
     if routing is not None:
-        control.set_meta(f"{ROUTING_PREFIX}{version}", json.dumps(routing))
-        control.forget_meta(f"{ROUTING_PREFIX}{version - KEEP_VERSIONS}")
+        control.set_meta(routing_field(version), json.dumps(routing))
+        control.forget_meta(routing_field(version - KEEP_VERSIONS))
     control.set_meta(field(version), json.dumps([float(x) for x in logprobs]))
     control.forget_meta(field(version - KEEP_VERSIONS))
     control.forget_meta(diff_field(version - KEEP_VERSIONS))
@@ -86,7 +90,7 @@ def compare(control, version: int, logprobs: Sequence[float], routing: list | No
     diff = difference(control, version, logprobs)
     if diff is not None:
         record["weights/probe_logprob_diff"] = diff
-    stored = control.get_meta(f"{ROUTING_PREFIX}{version}") if routing is not None else None
+    stored = control.get_meta(routing_field(version)) if routing is not None else None
     if stored is not None:
         record["weights/probe_routing_diff"] = routing_difference(json.loads(stored), routing)
     return record

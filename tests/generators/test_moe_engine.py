@@ -17,7 +17,6 @@ from asyncrl.config import load_config  # noqa: E402
 from asyncrl.demo.model import build_moe_model, build_tokenizer  # noqa: E402
 from asyncrl.generators.vllm_engine import VllmEngine  # noqa: E402
 from asyncrl.learners.worker import Models, probe_logprobs, probe_of  # noqa: E402
-from asyncrl.models.routers import RouterTap  # noqa: E402
 from asyncrl.observe.probe import routing_difference  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -62,7 +61,7 @@ def test_every_expert_of_every_layer_serves_each_new_version(engine, moe_dir):
     assert routed(model, ids) == {(layer, e) for layer in range(layers) for e in range(experts)}, (
         "the probe sequence must reach every expert, or a wrong one could pass unseen"
     )
-    learner = Models(model, routers=RouterTap(model))
+    learner = Models(model)
     logprobs, routing = probe_of(learner, ids)  # what the learner publishes with each version
     assert engine.score(ids) == pytest.approx(logprobs, abs=1e-4)
     assert len(routing) == layers and all(len(tokens) == len(ids) for tokens in routing)
@@ -94,6 +93,6 @@ def test_the_transformers_engine_reports_the_probes_expert_choices_too(moe_dir):
     hf = HfEngine(cfg.model, seed=0)
     model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     ids = list(range(40, 90))
-    logprobs, routing = probe_of(Models(model, routers=RouterTap(model)), ids)
+    logprobs, routing = probe_of(Models(model), ids)
     assert hf.score(ids) == pytest.approx(logprobs, abs=1e-5)
     assert hf.probe_routing == routing

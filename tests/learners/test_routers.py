@@ -8,7 +8,7 @@ import torch
 
 from asyncrl.demo.model import build_model, build_moe_model, build_tokenizer
 from asyncrl.learners.objective import StepLoss
-from asyncrl.models.routers import RouterTap, add_router_terms, find_routers, router_metrics
+from asyncrl.models.routers import RouterTap, add_aux_loss, find_routers, router_metrics, step_router_metrics
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,8 @@ def test_the_step_gets_the_loss_and_the_metrics_summed_over_ranks(moe):
     with tap:
         moe(input_ids=ids, attention_mask=mask)
     out = StepLoss(torch.tensor(1.0), None, {})
-    add_router_terms(tap, out, 0.5, Summed())
+    add_aux_loss(tap, out, 0.5)
+    out.metrics.update(step_router_metrics(tap, Summed()))
     assert float(out.policy_loss) == pytest.approx(1.0 + 0.5 * float(tap.aux_loss()))
     sums = tap.sums()  # two equal ranks: shares, and so every metric, are the one rank's
     assert out.metrics == pytest.approx(router_metrics(sums["counts"], sums["probs"], sums["tokens"], 2))
@@ -93,5 +94,6 @@ def test_a_dense_model_has_no_routers_and_its_step_is_untouched():
     with tap:
         dense(input_ids=torch.ones(1, 4, dtype=torch.long))
     out = StepLoss(torch.tensor(1.0), None, {"learner/loss": 1.0})
-    add_router_terms(tap, out, 0.5, Summed())
+    add_aux_loss(tap, out, 0.5)
+    out.metrics.update(step_router_metrics(tap, Summed()))
     assert out.metrics == {"learner/loss": 1.0} and float(out.policy_loss) == 1.0
