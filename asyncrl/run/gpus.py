@@ -25,10 +25,15 @@ from asyncrl.errors import UserError
 NVIDIA = Path("/proc/driver/nvidia")
 
 
+def has_driver() -> bool:
+    """Whether this host has an NVIDIA driver, without importing torch (seconds): it exposes /proc/driver/nvidia."""
+    return (NVIDIA / "version").exists()
+
+
 def visible_gpus() -> list[str]:
     """This host's GPUs as a child's ``CUDA_VISIBLE_DEVICES`` names them: the launcher's own list where it has
-    one, else the driver's GPUs by index. Without importing torch (seconds) where the driver lists them."""
-    if not (NVIDIA / "version").exists():
+    one, else the driver's GPUs by index. Without importing torch where the driver lists them."""
+    if not has_driver():
         return []
     named = os.environ.get("CUDA_VISIBLE_DEVICES")
     if named is not None:

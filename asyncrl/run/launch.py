@@ -45,7 +45,7 @@ from asyncrl.lifetime import Child, die_with, exit_soon, jemalloc_env, live_proc
 from asyncrl.net import interface_of, is_loopback, url_address
 from asyncrl.observe.metrics import DiskFull
 from asyncrl.run.disk import Reserve, check_full_disk, run_error
-from asyncrl.run.gpus import GpuPlan, plan_gpus, visible_gpus
+from asyncrl.run.gpus import GpuPlan, has_driver, plan_gpus, visible_gpus
 from asyncrl.run.preflight import check_prompt_lengths, external_redis_url, in_background, preflight
 from asyncrl.run.resume import ResumePoint, reset_for_resume
 from asyncrl.run.samples import SAMPLES_FILE
@@ -57,11 +57,6 @@ from asyncrl.secret import new_secret, read_secret, redis_password, write_secret
 STOP_GRACE_S = 10.0  # children get this long to leave on their own before SIGTERM, then SIGKILL
 OWN_REDIS_RETRIES = 1  # the launcher's clients of the redis-server it runs (see Launcher.run)
 FINAL_EVAL_TIMEOUT_S = 180.0  # after the learners finish, how long the final evaluation may take
-
-
-def _has_cuda() -> bool:
-    """Without importing torch (slow): a CUDA driver exposes /proc/driver/nvidia."""
-    return os.path.exists("/proc/driver/nvidia/version")
 
 
 class Launcher:
@@ -158,7 +153,7 @@ class Launcher:
 
     @property
     def pin_cpus(self) -> bool:
-        return self.cfg.run.cpu_scheduling and not _has_cuda()
+        return self.cfg.run.cpu_scheduling and not has_driver()
 
     @property
     def generator_nice(self) -> int:

@@ -241,8 +241,10 @@ def check_experts(cfg: Config) -> None:
     not a multiple of 32: every weight version after the first fails and leaves the engine broken)."""
     import json
 
+    from asyncrl.run.gpus import has_driver
+
     path = Path(cfg.model.path or "") / "config.json"
-    if cfg.generator.engine.type != "vllm" or not path.is_file() or Path("/proc/driver/nvidia/version").exists():
+    if cfg.generator.engine.type != "vllm" or not path.is_file() or has_driver():
         return
     width = json.loads(path.read_text()).get("moe_intermediate_size")
     if isinstance(width, int) and width % CPU_EXPERT_ALIGN:
