@@ -16,7 +16,13 @@ A trajectory group (one prompt, ``n`` samples) travels as one msgpack map::
                   "turns": int,                     # model turns in the episode (1: single-turn)
                   "turn_rewards": <array float32 (T,)>}, ...],  # optional: each turn's reward at its
                                                     # last model token (they sum to "reward")
-     "created_at": float}
+     "created_at": float,
+     "images": [{"sha256": str, "path": str} | {"sha256": str, "data": bytes}, ...]}  # version 3 only
+
+``images`` (version 3, written only by a group whose prompt has images): the prompt's images in order, each a
+file by path and content hash, or inline (:class:`asyncrl.data.ImageRef`); ``prompt_ids`` are then the
+processor's EXPANDED ids, each image's tokens in place (context: no gradient, no count, like the prompt). A
+group without images is written as version 2, which learners of the last release still read.
 
 Environment tokens (mask 0) are context only: no gradient, not counted in any token total, no
 version. A sample whose status is ``ok`` has at least one model token; a group's version is the
@@ -38,11 +44,13 @@ import uuid
 import msgpack
 import numpy as np
 
+from asyncrl.data import ImageRef
 from asyncrl.staleness import trajectory_version
 
 TRAJ_SCHEMA = "asyncrl.traj"
-TRAJ_SCHEMA_VERSION = 2
-_READABLE_VERSIONS = (1, 2)  # a learner still reads frames of the previous version
+TRAJ_SCHEMA_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)  # a learner still reads frames of the previous versions
+_TEXT_VERSION = 2  # what a group without images is written as
 ENV_VERSION = -1  # the version recorded on environment tokens
 _ALLOWED_DTYPES = {"int32", "int64", "float32", "float64", "uint8"}
 
@@ -103,6 +111,7 @@ class TrajectoryGroup:
     producer: str
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created_at: float = dataclasses.field(default_factory=time.time)
+    images: list[ImageRef] = dataclasses.field(default_factory=list)  # the prompt's, in order (a VLM's)
 
     @property
     def version(self) -> int:
@@ -129,7 +138,7 @@ def encode_group(group: TrajectoryGroup) -> bytes:
     return msgpack.packb(
         {
             "schema": TRAJ_SCHEMA,
-            "schema_version": TRAJ_SCHEMA_VERSION,
+            "schema_version": TRAJ_SCHEMA_VERSION if group.images else _TEXT_VERSION,
             "id": group.id,
             "producer": group.producer,
             "prompt_index": group.prompt_index,
@@ -154,6 +163,7 @@ def encode_group(group: TrajectoryGroup) -> bytes:
                 for s in group.samples
             ],
             "created_at": group.created_at,
+            **({"images": [ref.to_wire() for ref in group.images]} if group.images else {}),
         },
         use_bin_type=True,
     )
@@ -180,6 +190,9 @@ def decode_group(frame: bytes) -> TrajectoryGroup:
             producer=str(obj["producer"]),
             id=str(obj["id"]),
             created_at=float(obj["created_at"]),
+            images=[ImageRef.from_wire(ref) for ref in obj["images"]]
+            if schema_version >= 3 and "images" in obj
+            else [],
         )
     except ProtocolError:
         raise
