@@ -76,7 +76,8 @@ def context_length(model_path: str, max_model_len: int | None = None) -> int:
     ``max_model_len`` beyond the model's."""
     from transformers import AutoConfig
 
-    model = int(AutoConfig.from_pretrained(model_path).max_position_embeddings)
+    # a vision-language model's context is its language model's
+    model = int(AutoConfig.from_pretrained(model_path).get_text_config().max_position_embeddings)
     if max_model_len is None:
         return model
     if max_model_len > model:
@@ -96,9 +97,10 @@ class Engine(abc.ABC):
     # per token, sorted), compared with the learner's (asyncrl.observe.probe.compare)
 
     @abc.abstractmethod
-    def add_request(self, request_id: str, prompt: list[int], sampling: Sampling) -> None:
+    def add_request(self, request_id: str, prompt: list[int], sampling: Sampling, images: tuple = ()) -> None:
         """Start ``sampling.n`` independent completions of ``prompt`` (more than one only where
-        ``multi_sample``); their tokens come from ``step``, each sample's under its ``index``."""
+        ``multi_sample``); their tokens come from ``step``, each sample's under its ``index``. ``images``: a
+        vision-language model's RGB PIL images, one image token each in ``prompt``, which the engine expands."""
 
     @abc.abstractmethod
     def step(self) -> list[StepOutput]:

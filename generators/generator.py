@@ -46,13 +46,11 @@ import os
 import sys
 import time
 
-import numpy as np
-
 from asyncrl.buffers.base import live_groups
 from asyncrl.chat import ChatTokens
 from asyncrl.config import Config
 from asyncrl.control import MEMBER_TTL_S, RunControl
-from asyncrl.data import is_async, load_jsonl, prompt_for_sequence, prompt_of
+from asyncrl.data import is_async, load_jsonl, prompt_for_sequence
 from asyncrl.episodes.api import Context, Outcome, load_episode, run_episode, single_turn
 from asyncrl.episodes.pool import WorkerPool
 from asyncrl.generators.accounting import EpisodeStats, FailureWindow, threads_and_children
@@ -69,6 +67,7 @@ from asyncrl.generators.evaluation import (
 from asyncrl.generators.journal import GroupJournal
 from asyncrl.generators.lease import LeaseKeeper, LeaseLost
 from asyncrl.generators.outcomes import episode_seed, to_sample
+from asyncrl.generators.prompts import Prompt, Prompts, vision_for
 from asyncrl.generators.scheduler import EnginePump, GroupTurns
 from asyncrl.generators.weight_feed import WeightFeed
 from asyncrl.observe import probe
@@ -108,12 +107,14 @@ class Generator:
         ep = cfg.episode
         self.chat = ChatTokens(tokenizer, use_template=ep.chat_template, system_prompt=ep.system_prompt)
         self.records = load_jsonl(cfg.data.train)
+        eval_records = load_jsonl(cfg.data.eval)[: cfg.data.eval_size] if cfg.data.eval else []
+        self.prompts = Prompts(self.chat, vision_for(self.records + eval_records, cfg.model.path), cfg.data.train)
         self.feed = WeightFeed(
             subscriber,
             self.metrics,
             self._served,
             version=0,
-            probe_ids=probe.probe_ids(self.chat, self.records[0]),
+            probe_ids=probe.probe_ids(self.chat, self.records[0], self.prompts.vision),
             compare=lambda version, logprobs, routing=None: probe.compare(control, version, logprobs, routing),
             aliases=json.loads(control.get_meta("tied") or "{}"),  # the learner's, before its first version
             adapter=(cfg.model.path, cfg.model.lora.alpha / cfg.model.lora.rank) if cfg.model.lora else None,
@@ -129,9 +130,8 @@ class Generator:
         self.peaks = {"generator/threads_peak": 0, "generator/child_processes_peak": 0}
         self.reward_fn = load_reward(cfg.data.reward, ep.reward_timeout_s)
         self.eval_reward_fn = load_reward(cfg.data.eval_reward, ep.reward_timeout_s) if cfg.data.eval_reward else None
-        eval_records = load_jsonl(cfg.data.eval)[: cfg.data.eval_size] if cfg.data.eval else []
-        encoded = [(r, self.chat.prompt_ids(prompt_of(r))) for r in eval_records]
-        self.eval_set = [(r, ids) for r, ids in encoded if self._fits(ids)]  # encoded once
+        eval_prompts = Prompts(self.chat, self.prompts.vision, cfg.data.eval or cfg.data.train)
+        self.eval_set = [(r, p) for r in eval_records if self._fits(p := eval_prompts(r))]  # encoded once
         if len(self.eval_set) < len(eval_records):
             log.warning(
                 "%d eval prompts do not fit the model's context: left out", len(eval_records) - len(self.eval_set)
@@ -157,14 +157,14 @@ class Generator:
         """The weights version the engine serves."""
         return self.feed.version
 
-    def _fits(self, prompt: list[int]) -> bool:
-        return fits(len(prompt), self.cfg.generator.max_new_tokens, self.engine.max_model_len)
+    def _fits(self, prompt: Prompt) -> bool:
+        return fits(len(prompt.learner_ids), self.cfg.generator.max_new_tokens, self.engine.max_model_len)
 
     # -- one episode, one group ------------------------------------------------------------------------
     async def play(
         self,
         record: dict,
-        prompt: list[int],
+        prompt: Prompt,
         seed: int,
         sampling: Sampling,
         reward=None,
@@ -175,13 +175,13 @@ class Generator:
         """One episode; with a group's ``journal``, it is kept there (and may be resumed from it), and
         with ``shared``, its first turn is one of the group's n-sample request."""
         ep = self.cfg.episode
-        budget = self.engine.max_model_len - len(prompt)
+        budget = self.engine.max_model_len - len(prompt.learner_ids)
         ctx = Context(
             task=record,
             seed=seed,
-            prompt_ids=prompt,
+            prompt_ids=prompt.ids,
             complete=shared
-            or (lambda ids, n: self.pump.complete(ids, dataclasses.replace(sampling, max_new_tokens=n))),
+            or (lambda ids, n: self.pump.complete(ids, dataclasses.replace(sampling, max_new_tokens=n), prompt.images)),
             chat=self.chat,
             stop=sampling.stop,
             budget=min(ep.max_tokens or budget, budget),
@@ -193,10 +193,10 @@ class Generator:
             pool=self.pool,
         )
         if journal is None:
-            return ctx, await run_episode(self.episode, ctx, ep.episode_timeout_s)
+            return ctx, prompt.checked(ctx, await run_episode(self.episode, ctx, ep.episode_timeout_s))
         outcome = journal.attach(index, ctx)
         if outcome is None:
-            outcome = await run_episode(self.episode, ctx, ep.episode_timeout_s)
+            outcome = prompt.checked(ctx, await run_episode(self.episode, ctx, ep.episode_timeout_s))
             journal.finished(index, ctx, outcome)
         return ctx, outcome
 
@@ -213,7 +213,7 @@ class Generator:
         version = self.version
         epoch, idx = prompt_for_sequence(seq, len(self.records), self.cfg.run.seed)
         record = self.records[idx]
-        prompt = self.chat.prompt_ids(prompt_of(record))
+        prompt = self.prompts(record)
         if not self._fits(prompt):  # never an engine error: skipped, counted, its slot given back
             self.stats.prompts_too_long += 1
             log.warning("a prompt leaves no room in the %d-token context: skipped", self.engine.max_model_len)
@@ -242,7 +242,7 @@ class Generator:
             if outcome.cause is not None:
                 self._log_failure(idx, outcome)
         self.failures.add_group([outcome for _, outcome in played])
-        self.maybe_sample(version, prompt, played)
+        self.maybe_sample(version, prompt.ids, played)
         failed = sum(o.cause is not None for _, o in played)
         if failed and (self.cfg.episode.failure_policy == "drop_group" or failed == n):
             self.stats.groups_failed += 1
@@ -250,7 +250,7 @@ class Generator:
             return
         samples = [to_sample(ctx, outcome) for ctx, outcome in played]
         self.stats.groups += 1
-        group = TrajectoryGroup(np.asarray(prompt, np.int32), samples, idx, epoch, self.ident)
+        group = prompt.group(samples, idx, epoch, self.ident)
         await self._end_group(journal, push=group)
 
     def _log_failure(self, idx: int, outcome: Outcome) -> None:
@@ -320,8 +320,8 @@ class Generator:
                 version, t0 = self.version, time.perf_counter()
                 played = await asyncio.gather(
                     *(
-                        self.play(r, ids, episode_seed(self.cfg.run.seed, -1, i), self.greedy, self.eval_reward_fn)
-                        for i, (r, ids) in enumerate(self.eval_set)
+                        self.play(r, prompt, episode_seed(self.cfg.run.seed, -1, i), self.greedy, self.eval_reward_fn)
+                        for i, (r, prompt) in enumerate(self.eval_set)
                     )
                 )
             record, point = eval_record(version, points, played, time.perf_counter() - t0), points[-1]
@@ -330,7 +330,7 @@ class Generator:
             else:
                 log.warning("eval at version %d: every episode failed", version)
             self.metrics.log(record)
-            prompts = [ids for _, ids in self.eval_set]
+            prompts = [prompt.ids for _, prompt in self.eval_set]
             self.metrics.log(
                 samples_record("eval", version, point, sample_items(self.chat.tok, prompts, played, SAMPLE_ITEMS))
             )

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.chat import stop_at
 from asyncrl.config import ModelConfig
+from asyncrl.errors import UserError
 from asyncrl.generators.engine import Completion, Engine, Sampling, StepOutput, context_length
 from asyncrl.models.routers import RouterTap, choices_of
 from asyncrl.weights.ties import module_aliases
@@ -100,7 +101,9 @@ class HfEngine(Engine):
         self.probe_routing = choices_of(self.routers)
         return logp.gather(-1, x[0, 1:, None])[:, 0].tolist()
 
-    def add_request(self, request_id: str, prompt: list[int], sampling: Sampling) -> None:
+    def add_request(self, request_id: str, prompt: list[int], sampling: Sampling, images: tuple = ()) -> None:
+        if images:  # preflight refuses a vision-language model on this engine; this is the engine's own guard
+            raise UserError("the transformers engine serves text models only: use generator.engine.type=vllm")
         self._requests[request_id] = (prompt, sampling)
 
     def step(self) -> list[StepOutput]:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 from asyncrl.generators.engine import Completion, Engine, Sampling, StepOutput
 
 if TYPE_CHECKING:
+    from asyncrl.generators.prompts import Prompt
     from asyncrl.generators.weight_feed import WeightFeed
     from asyncrl.weights import WeightUpdate
 
@@ -58,6 +59,7 @@ class _Turn:
     prompt: list[int]
     sampling: Sampling
     done: asyncio.Future
+    images: tuple = ()  # the prompt's images (a vision-language model's), one image token each in ``prompt``
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -95,17 +97,21 @@ class EnginePump:
         the running turns finish is that version (no new turn starts before it loads)."""
         return self._waiting.version if self._waiting is not None else self.feed.version
 
-    async def complete(self, prompt: list[int], sampling: Sampling) -> Completion:
-        """One model turn of ``prompt``; every token with the version that produced it."""
-        (completion,) = await self._submit((_Turn(list(prompt), sampling, asyncio.get_running_loop().create_future()),))
+    async def complete(self, prompt: list[int], sampling: Sampling, images: tuple = ()) -> Completion:
+        """One model turn of ``prompt`` (showing ``images``); every token with the version that produced it."""
+        loop = asyncio.get_running_loop()
+        (completion,) = await self._submit((_Turn(list(prompt), sampling, loop.create_future(), tuple(images)),))
         return completion
 
-    async def complete_many(self, prompt: list[int], sampling: Sampling, n: int) -> list[Completion]:
+    async def complete_many(
+        self, prompt: list[int], sampling: Sampling, n: int, images: tuple = ()
+    ) -> list[Completion]:
         """``n`` model turns of ``prompt`` (``sampling.n`` is ignored), sampled independently, as one
         n-sample engine request where the engine supports it; each completion as ``complete`` gives it
         (its tokens' versions may differ from its siblings' when an update split the request)."""
         loop = asyncio.get_running_loop()
-        return await self._submit(tuple(_Turn(list(prompt), sampling, loop.create_future()) for _ in range(n)))
+        turns = tuple(_Turn(list(prompt), sampling, loop.create_future(), tuple(images)) for _ in range(n))
+        return await self._submit(turns)
 
     async def _submit(self, turns: tuple[_Turn, ...]) -> list[Completion]:
         self._queue.append(turns)
@@ -238,7 +244,7 @@ class EnginePump:
         if len(turns) > 1 and self.engine.multi_sample and not any(t.tokens for t in turns):
             request_id = f"turn-{next(self._ids)}"
             sampling = dataclasses.replace(turns[0].sampling, n=len(turns))
-            self.engine.add_request(request_id, turns[0].prompt, sampling)
+            self.engine.add_request(request_id, turns[0].prompt, sampling, turns[0].images)
             self._live[request_id] = turns
             return
         for turn in turns:
@@ -249,7 +255,7 @@ class EnginePump:
                 continue
             request_id = f"turn-{next(self._ids)}"
             sampling = dataclasses.replace(turn.sampling, n=1, max_new_tokens=left)
-            self.engine.add_request(request_id, turn.prompt + turn.tokens, sampling)
+            self.engine.add_request(request_id, turn.prompt + turn.tokens, sampling, turn.images)
             self._live[request_id] = (turn,)
 
     def _forget(self, turns: tuple[_Turn, ...]) -> None:
@@ -273,17 +279,19 @@ class GroupTurns:
     own ``complete``. One episode cancelled (its timeout) leaves the others' samples running;
     :meth:`cancel` (the group's end) stops whatever still runs."""
 
-    def __init__(self, pump: EnginePump, prompt: list[int], sampling: Sampling, n: int):
-        self.pump, self.prompt, self.sampling, self.n = pump, list(prompt), sampling, n
+    def __init__(self, pump: EnginePump, prompt: Prompt, sampling: Sampling, n: int):
+        self.pump, self.prompt, self.sampling, self.n = pump, list(prompt.ids), sampling, n
+        self.images = prompt.images
         self._asked = 0
         self._many: asyncio.Future | None = None
 
     async def __call__(self, ids: list[int], max_new_tokens: int) -> Completion:
         if self._asked >= self.n or max_new_tokens != self.sampling.max_new_tokens or list(ids) != self.prompt:
-            return await self.pump.complete(ids, dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens))
+            sampling = dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens)
+            return await self.pump.complete(ids, sampling, self.images)
         i, self._asked = self._asked, self._asked + 1
         if self._many is None:
-            self._many = asyncio.ensure_future(self.pump.complete_many(self.prompt, self.sampling, self.n))
+            self._many = asyncio.ensure_future(self.pump.complete_many(self.prompt, self.sampling, self.n, self.images))
         return (await asyncio.shield(self._many))[i]
 
     def cancel(self) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from asyncrl.generators.engine import Engine, Sampling, StepOutput, context_length
+from asyncrl.models.vision import is_vision_config
 
 if TYPE_CHECKING:
     from asyncrl.config import ModelConfig, VllmEngineConfig
@@ -145,6 +146,7 @@ class VllmEngine(Engine):
             gpu_memory_utilization=0.3,
         )
         self.stepped = False
+        self.vision = is_vision_config(self.llm.llm_engine.model_config.hf_config)
         # a mixture of experts: its routers record the probe's expert choices (WeightReloadExtension.asyncrl_routing)
         self.moe = self.llm.collective_rpc("asyncrl_routing", args=(False,))[0] is not None
         self._parents: dict[str, str] = {}  # our id -> vLLM's internal id, for running n-sample requests
@@ -157,9 +159,10 @@ class VllmEngine(Engine):
         torch.set_num_threads(torch.get_num_threads())
         _eager_on_cpu()
 
-    def add_request(self, request_id: str, prompt: list[int], sampling: Sampling) -> None:
+    def add_request(self, request_id: str, prompt: list[int], sampling: Sampling, images: tuple = ()) -> None:
         params = _params(sampling, sampling.max_new_tokens)
-        internal = self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        request = {"prompt_token_ids": prompt, **({"multi_modal_data": {"image": list(images)}} if images else {})}
+        internal = self.llm.llm_engine.add_request(request_id, request, params)
         if sampling.n > 1:
             self._parents[request_id] = internal
 
@@ -215,6 +218,9 @@ class VllmEngine(Engine):
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         self.llm.collective_rpc("asyncrl_reload", args=(tensors,))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if self.vision:  # and image embeddings with the old tower: the scheduler's record of them goes too (the
+            # reload emptied the worker's cache, and a request it still believed cached would fail "Encoder cache miss")
+            self.llm.llm_engine.reset_encoder_cache()
 
 
 def _params(sampling: Sampling, max_tokens: int):

@@ -9,7 +9,9 @@ The algorithm pieces users switch between, each a registry of pure functions wit
 PPO critic loss), ``kl`` (KL_ESTIMATORS) and ``corrections`` (CORRECTIONS). Their names, parameters and
 the presets (a name expanding to one piece of each kind plus defaults) are torch-free config:
 ``asyncrl.config.pieces`` and ``asyncrl.config.presets``. ``objective`` composes a preset's pieces into
-one step's losses (split-invariant over ranks); ``models`` builds the reference model and the critic.
+one step's losses (split-invariant over ranks); ``models`` builds the reference model and the critic;
+``vision``: a vision-language policy's pixel inputs per batch row and the names each version carries;
+``records``: a step's metric sums and its ``metrics.jsonl`` record.
 
 May import: the core, asyncrl.buffers, asyncrl.weights, asyncrl.observe, asyncrl.models.
 """

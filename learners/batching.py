@@ -78,6 +78,7 @@ def model_logprobs(
     score_mask: Tensor | None = None,
     chunk: int | None = None,
     position_ids: Tensor | None = None,
+    inputs: dict[str, Tensor] | None = None,
 ) -> Tensor:
     """(B, L-1) log pi of ``input_ids[:, j + 1]`` given its prefix, from ``model``: an HF causal LM or a
     DeepSpeed engine around one. Only positions in ``score_mask`` (B, L-1) are scored (default: every
@@ -89,12 +90,13 @@ def model_logprobs(
     (a forward hook replaces its output), so a DeepSpeed engine sees the log-probs as the forward's
     output -- its backward prologue runs before any parameter gradient -- and ZeRO-3 gathers the head's
     weight as it does for any call of the head module. Other models go through their full logits.
-    ``position_ids`` (B, L): for left-padded batches (default: the model's own, 0..L-1).
+    ``position_ids`` (B, L): for left-padded batches (default: the model's own, 0..L-1). ``inputs``: more
+    keyword inputs of the forward, a row per sequence (a vision-language model's pixels).
     """
     hf = getattr(model, "module", model)  # a DeepSpeed engine's HF model
     scored = attention_mask[:, 1:].bool() if score_mask is None else score_mask.bool()
     decoder, head = _plain_head(hf)
-    positions = {} if position_ids is None else {"position_ids": position_ids}
+    positions = ({} if position_ids is None else {"position_ids": position_ids}) | (inputs or {})
     if decoder is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, **positions).logits
         return sequence_logprobs(logits, input_ids, temperature).masked_fill(~scored, 0.0)

@@ -29,6 +29,7 @@ from asyncrl.learners.batching import add_head_grad_in_place
 from asyncrl.learners.checkpoint import read_committed, room_shortfall, write_committed
 from asyncrl.learners.lora import adapter_state, base_model, merged_state, with_lora
 from asyncrl.learners.models import accumulate_tied_lookup_in_place, enable_activation_checkpointing
+from asyncrl.models.vision import causal_lm_class, freeze_vision, is_vision_model
 from asyncrl.rundir import write_atomic
 from asyncrl.weights.ties import untied
 
@@ -97,10 +98,11 @@ def build_engine(learner: LearnerConfig, model_cfg: ModelConfig, steps: int, mod
     """A DeepSpeed engine with AdamW + schedule around ``model`` (default: the policy at ``model.path``);
     ``steps`` is the run's last version (the schedule's end)."""
     import deepspeed
-    from transformers import AutoModelForCausalLM
 
     if model is None:
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=getattr(torch, model_cfg.dtype))
+        model = causal_lm_class(model_cfg.path).from_pretrained(model_cfg.path, dtype=getattr(torch, model_cfg.dtype))
+        if model_cfg.freeze_vision:  # a vision-language model's tower and connector stay as loaded
+            freeze_vision(model)
         if model_cfg.lora is not None:  # the policy trains an adapter only (learners.lora)
             model = with_lora(model, model_cfg.lora)
     plain_grads = learner.zero_stage == 0 and model_cfg.dtype == "float32"  # nothing hooks their accumulation
@@ -144,10 +146,11 @@ def build_engine(learner: LearnerConfig, model_cfg: ModelConfig, steps: int, mod
     return engine
 
 
-def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
+def full_state_dict(engine, zero_stage: int, keep: set[str] | None = None) -> dict[str, torch.Tensor] | None:
     """A version's tensors on rank 0 (None elsewhere): the complete HF state dict, each tied tensor once
     (under the first of its names, see ``asyncrl.weights.ties``), or a LoRA policy's adapter alone
-    (``learners.lora``). A collective under ZeRO-3."""
+    (``learners.lora``); ``keep``: only these names (a VLM's language model, its vision frozen). A collective
+    under ZeRO-3."""
     import deepspeed
 
     params = list(engine.module.parameters())
@@ -156,7 +159,8 @@ def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
             return None
         if base_model(engine.module) is not engine.module:
             return adapter_state(engine.module)
-        return {k: v.detach().to("cpu", copy=True) for k, v in untied(engine.module).items()}
+        state = untied(engine.module).items()
+        return {k: v.detach().to("cpu", copy=True) for k, v in state if keep is None or k in keep}
 
 
 def commit_due(learner: LearnerConfig, version: int, steps: int) -> bool:
@@ -214,7 +218,7 @@ def export_hf(engine, model_path: str, export: Path, state_dict: dict | None, lo
     vLLM load; for a LoRA policy (``lora``: its ``model.lora``) the merged model, and the adapter as peft
     saves it in ``export/adapter``."""
     import deepspeed
-    from transformers import AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
 
     if lora is not None:
         params = list(engine.module.parameters())
@@ -226,4 +230,6 @@ def export_hf(engine, model_path: str, export: Path, state_dict: dict | None, lo
         engine.module.save_pretrained(export, state_dict=state_dict)
     if dist.get_rank() == 0:
         AutoTokenizer.from_pretrained(model_path).save_pretrained(export)
+        if is_vision_model(model_path):  # and a vision-language model's processor (image settings, chat template)
+            AutoProcessor.from_pretrained(model_path).save_pretrained(export)
     dist.barrier()

@@ -53,9 +53,9 @@ def build_critic(learner: LearnerConfig, model_cfg: ModelConfig, steps: int, lr:
 
 
 def load_reference(model_cfg: ModelConfig, device) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    from asyncrl.models.vision import causal_lm_class
 
-    ref = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=getattr(torch, model_cfg.dtype))
+    ref = causal_lm_class(model_cfg.path).from_pretrained(model_cfg.path, dtype=getattr(torch, model_cfg.dtype))
     return ref.to(device).eval().requires_grad_(False)
 
 
@@ -63,8 +63,16 @@ def load_reference(model_cfg: ModelConfig, device) -> nn.Module:
 def reference_logprobs(ref: nn.Module, batch: dict, temperature: float) -> Tensor:
     from asyncrl.learners.batching import model_logprobs
 
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    return model_logprobs(ref, ids, mask, temperature, batch.get("response_mask"))  # 0 outside the response
+    ids, mask, scored = batch["input_ids"], batch["attention_mask"], batch.get("response_mask")
+    return model_logprobs(ref, ids, mask, temperature, scored, inputs=image_inputs(batch))  # 0 outside the response
+
+
+IMAGE_PREFIX = "image/"  # a batch's image inputs (learners.vision), under "image/<the forward's keyword>"
+
+
+def image_inputs(batch: dict) -> dict[str, Tensor]:
+    """The forward's image keywords of ``batch`` (none for text)."""
+    return {k.removeprefix(IMAGE_PREFIX): v for k, v in batch.items() if k.startswith(IMAGE_PREFIX)}
 
 
 def enable_activation_checkpointing(model: nn.Module, by_rows: bool = False) -> None:

@@ -57,7 +57,7 @@ from asyncrl.learners.engine import (
     save_checkpoint,
 )
 from asyncrl.learners.lora import base_model
-from asyncrl.learners.models import build_critic, load_reference, reference_logprobs
+from asyncrl.learners.models import IMAGE_PREFIX, build_critic, image_inputs, load_reference, reference_logprobs
 from asyncrl.learners.objective import (
     DistReducer,
     Reducer,
@@ -70,6 +70,8 @@ from asyncrl.learners.objective import (
     step_loss,
     take_rows,
 )
+from asyncrl.learners.records import step_record, step_sums
+from asyncrl.learners.vision import BatchImages, batch_images, published_names
 from asyncrl.lifetime import exit_after_collectives
 from asyncrl.models.routers import RouterTap, add_aux_loss, choices_of, step_router_metrics
 from asyncrl.observe import probe
@@ -83,8 +85,16 @@ from asyncrl.weights.ties import module_aliases
 log = logging.getLogger("asyncrl.learner")
 
 
-def make_batch(groups: list[TrajectoryGroup], max_len: int, preset: Preset, pad_id: int, version: int) -> dict:
-    """Padded tensors of this rank's groups: ids, masks, behaviour log-probs, rewards, group ids.
+def make_batch(
+    groups: list[TrajectoryGroup],
+    max_len: int,
+    preset: Preset,
+    pad_id: int,
+    version: int,
+    images: BatchImages | None = None,
+) -> dict:
+    """Padded tensors of this rank's groups: ids, masks, behaviour log-probs, rewards, group ids, and a
+    vision-language policy's image inputs (``images``).
 
     ``max_len`` is the generation limit (``generator.max_new_tokens``): the DAPO overlong penalty's scale.
     """
@@ -108,7 +118,7 @@ def make_batch(groups: list[TrajectoryGroup], max_len: int, preset: Preset, pad_
             if rewards is not None:
                 turns[i, p - 1 : p - 1 + len(rewards)] = torch.from_numpy(rewards.astype(np.float32))
         batch["turn_rewards"] = turns
-    return batch
+    return batch | (images.inputs(groups) if images is not None else {})
 
 
 @dataclass
@@ -186,7 +196,8 @@ def train_step(
     outs = []
     for _ in range(learner.epochs):
         for rows in minibatch_rows(step.group_ids, learner.minibatches):
-            sub = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "response_mask")}
+            keys = ("input_ids", "attention_mask", "response_mask", *(k for k in batch if k.startswith(IMAGE_PREFIX)))
+            sub = {k: batch[k][rows] for k in keys}
             with tap:
                 logprobs, values = _forward(models, sub, temperature)
             out = minibatch_loss(
@@ -204,8 +215,8 @@ def train_step(
 def _forward(models: Models, batch: dict, temperature: float):
     """(log pi (B, T), V (B, T) or None) of the policy and critic on ``batch``'s rows; log pi without the
     full-vocabulary logits (``batching.model_logprobs``)."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    logprobs = model_logprobs(models.policy, ids, mask, temperature, batch.get("response_mask"))  # 0 elsewhere
+    ids, mask, scored = batch["input_ids"], batch["attention_mask"], batch.get("response_mask")
+    logprobs = model_logprobs(models.policy, ids, mask, temperature, scored, inputs=image_inputs(batch))  # 0 elsewhere
     values = models.critic(batch["input_ids"], batch["attention_mask"]) if models.critic is not None else None
     return logprobs, values
 
@@ -256,56 +267,6 @@ def restore(models: Models, consumer: BatchConsumer, ckpt_dir: Path, rank: int) 
     return version
 
 
-def step_sums(groups: list[TrajectoryGroup], batch: Batch, stale: list[int], mismatch: tuple[float, float]) -> dict:
-    """This rank's share of a step's metrics, as sums to all-reduce over the ranks."""
-    samples = [s for g in groups for s in g.samples]
-    return {
-        "stale_sum": sum(stale),
-        "groups": len(stale),
-        "dropped_stale": batch.counts["stale"],
-        "dead": batch.counts["dead"],
-        "foreign": batch.counts["foreign"],
-        "filtered": batch.counts["filtered"],
-        "replays": batch.replays,
-        "mismatch_sum": mismatch[0],
-        "mismatch_tokens": mismatch[1],
-        "reward_sum": sum(s.reward for s in samples),
-        "samples": len(samples),
-        "tokens": sum(int(s.mask.sum()) for s in samples),  # model tokens: environment ones are context
-    }
-
-
-def step_record(version: int, out: StepLoss, total: dict, max_stale: float, lr: float, sync: dict) -> dict:
-    """The ``metrics.jsonl`` record of the step that made ``version``, from the sums over every rank and
-    ``sync``, the weight-sync probe's figure (``asyncrl.observe.probe.read_health``).
-
-    ``learner/behaviour_logprob_mismatch``: mean |log pi - log mu| over the tokens the learner's own
-    version sampled (:func:`behaviour_mismatch`), None when there were none (most steps at a lag of 1 or
-    more); ``..._tokens``: how many. ``weights/probe_logprob_diff_max``: the largest difference between
-    the learner's and any generator's log-probs of the probe over the last versions generators applied,
-    None before the first compared: the sync-health figure, at every lag."""
-    return {
-        **out.metrics,  # the algorithm's: loss, correction, KL, critic
-        "learner/version": version,
-        "learner/tokens": total["tokens"],
-        "learner/lr": lr,
-        "learner/behaviour_logprob_mismatch": (
-            total["mismatch_sum"] / total["mismatch_tokens"] if total["mismatch_tokens"] else None
-        ),
-        "learner/behaviour_logprob_mismatch_tokens": total["mismatch_tokens"],  # sampled by this version
-        "weights/probe_logprob_diff_max": sync["probe_logprob_diff_max"],
-        "learner/reward_mean": total["reward_sum"] / total["samples"],
-        "learner/samples": total["samples"],
-        "buffer/staleness_mean": total["stale_sum"] / total["groups"],
-        "buffer/staleness_max": max_stale,
-        "buffer/dropped_stale": total["dropped_stale"],
-        "buffer/dead_letters": total["dead"],
-        "buffer/foreign_entries": total["foreign"],
-        "buffer/filtered_groups": total["filtered"],
-        "buffer/replays": total["replays"],
-    }
-
-
 def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None:
     """The learner rank's loop (the module doc's phases), from its restored version to ``run.steps``."""
     from transformers import AutoTokenizer
@@ -313,10 +274,13 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     ep = cfg.episode
     chat = ChatTokens(tokenizer, use_template=ep.chat_template, system_prompt=ep.system_prompt)  # the generators'
-    pad_id, probe_seq = tokenizer.pad_token_id, probe.probe_ids(chat, load_jsonl(cfg.data.train)[0])
+    images = batch_images(cfg.model.path)  # a vision-language policy's pixel inputs
+    pad_id = tokenizer.pad_token_id
+    probe_seq = probe.probe_ids(chat, load_jsonl(cfg.data.train)[0], images.vision if images else None)
     preset = cfg.algorithm.preset
     models = build_models(cfg.learner, cfg.model, cfg.algorithm, cfg.run.steps)
     engine = models.policy
+    keep = published_names(engine, cfg.model)  # a VLM's language model alone, its vision frozen
     sampling = Sampling(cfg.generator.temperature, cfg.generator.max_new_tokens)
     metrics = RedisSink(control, f"learner/{rank}")
     reducer = DistReducer()
@@ -336,7 +300,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
     # the probe's forward is a collective under ZeRO-3 (every rank); otherwise rank 0, which publishes, alone
     probing = publisher is not None or cfg.learner.zero_stage == 3
     probed = probe_of(models, probe_seq) if probing else None
-    state = full_state_dict(engine, cfg.learner.zero_stage)
+    state = full_state_dict(engine, cfg.learner.zero_stage, keep)
     if publisher is not None:
         # before any generator applies; a LoRA policy's names are its HF model's
         control.set_meta("tied", json.dumps(module_aliases(base_model(engine.module))))
@@ -359,7 +323,12 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         timings.time("collect")
         # 2-3. loss and step
         out, mismatch = train_step(
-            models, make_batch(groups, sampling.max_len, preset, pad_id, version), preset, cfg.learner, sampling, world
+            models,
+            make_batch(groups, sampling.max_len, preset, pad_id, version, images),
+            preset,
+            cfg.learner,
+            sampling,
+            world,
         )
         step_end_at = time.time()
         consumer.trained(batch)
@@ -368,7 +337,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         timings.time("train")
         # 4. publish (the probe first: a generator applying the version finds it)
         probed = probe_of(models, probe_seq) if probing else None
-        state = full_state_dict(engine, cfg.learner.zero_stage)
+        state = full_state_dict(engine, cfg.learner.zero_stage, keep)
         if publisher is not None:
             probe.publish(control, version + 1, *probed)
             buffer.set_version(version + 1)
@@ -391,7 +360,8 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         control.set_meta("final_version", cfg.run.steps)
     if cfg.learner.checkpoint:
         save_checkpoint(engine, ckpt_dir, cfg.run.steps, consumer.checkpoint_state(), critic=models.critic)
-        export_hf(engine, cfg.model.path, cfg.run_dir / "export", state, cfg.model.lora)
+        whole = state if keep is None else full_state_dict(engine, cfg.learner.zero_stage)  # the frozen tower too
+        export_hf(engine, cfg.model.path, cfg.run_dir / "export", whole, cfg.model.lora)
         log.info("rank %d: final checkpoint and export written", rank)
     consumer.commit(final=True)
     if publisher is not None:

@@ -68,6 +68,18 @@ def make_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Call
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The shapes demo's tiny Idefics3 (asyncrl.demo.vlm), untrained (seed 0), with its processor, made once."""
+    from asyncrl.demo.vlm import build_processor, build_vlm
+
+    path = tmp_path_factory.mktemp("tiny-vlm")
+    processor = build_processor()
+    build_vlm(processor.tokenizer, seed=0).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     """The demo's byte tokenizer and an untrained demo-sized Llama (seed 0) as an HF directory, made once."""
     from generator_common import save_tiny_model

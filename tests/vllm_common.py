@@ -1,6 +1,9 @@
-"""The worker extension every test that starts a vLLM engine in the pytest process uses. vLLM mixes the
-extension class into its worker CLASS (process-wide) at the first engine's start, and a later engine with
-another extension class fails its start on the first attribute they share; so all of them take this one."""
+"""What every test that starts a vLLM engine in the pytest process shares. The worker extension: vLLM mixes
+the extension class into its worker CLASS (process-wide) at the first engine's start, and a later engine with
+another extension class fails its start on the first attribute they share; so all of them take this one. And
+:func:`fresh_parallel_state`: vLLM makes its process groups once per process, at the first engine's start,
+the expert-parallel one only for a mixture of experts; a later MoE engine then fails its start ("expert
+parallel group is not initialized") after a dense one (a generator process only ever starts one engine)."""
 
 from __future__ import annotations
 
@@ -16,3 +19,12 @@ class PlainParamsExtension(WeightReloadExtension):
 
     def asyncrl_plain_params(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in self.model_runner.get_model().named_parameters() if p.numel()}
+
+
+def fresh_parallel_state() -> None:
+    """Drop the process groups an earlier engine in this process made, so the next engine makes its own."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()

@@ -26,6 +26,7 @@ RECIPE_PATHS = {
     "demo-sort-moe": ".cache/models/demo-sort-moe",
     "demo-calc": ".cache/models/demo-calc",
     "demo-guess": ".cache/models/demo-guess",
+    "demo-shapes": ".cache/models/demo-shapes",
     "smollm2-135m-instruct": ".cache/models/smollm2-135m-instruct",
 }
 
@@ -37,7 +38,9 @@ class ModelConfig(Section):
         "into .cache/models/gguf-<name>-<hash>/, which the run then uses everywhere. None: the recipe's own "
         "cache directory; a run with neither is an error.",
     )
-    recipe: Literal["demo-sort", "demo-sort-moe", "demo-calc", "demo-guess", "smollm2-135m-instruct"] | None = Field(
+    recipe: (
+        Literal["demo-sort", "demo-sort-moe", "demo-calc", "demo-guess", "demo-shapes", "smollm2-135m-instruct"] | None
+    ) = Field(
         None,
         description="Build the model with this recipe when `path` is the recipe's own cache directory "
         "(.cache/models/<recipe>) and has no model yet (the demos' SFT warm-up; smollm2-135m-instruct: "
@@ -45,6 +48,13 @@ class ModelConfig(Section):
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of learner and engine weights."
+    )
+    freeze_vision: bool = Field(
+        True,
+        description="A vision-language model: keep its vision tower and connector as loaded (no gradient), so each "
+        "weight version carries only the language model's tensors (LLaMA-Factory's default; the anchors' RL "
+        "recipes mostly freeze the tower too). false: train them, and send them in every version. No effect on "
+        "a text model.",
     )
     lora: LoraConfig | None = Field(
         None,

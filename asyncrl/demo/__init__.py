@@ -7,6 +7,8 @@ tiny Llama up on each (``configs/demo-cpu.yaml``, ``demo-calc.yaml``, ``demo-gue
 * ``guess_agent``, ``calc_agent``: the two agentic tasks as plain OpenAI-API agents (``openai`` only, no
   asyncrl import; ``configs/demo-guess-agent.yaml``, ``demo-calc-agent.yaml``).
 * ``latency``: the environment-latency setting both agentic tasks share (fixed or log-normal).
+* ``shapes``: name the colour of the shape drawn in a 64x64 picture (records with images, drawn at build);
+  ``vlm``: its recipe, a tiny Idefics3 with the byte tokenizer and a real processor (``configs/demo-shapes.yaml``).
 * ``model``, ``warmup``: the recipes (byte tokenizer, tiny Llama, a short supervised warm-up);
   ``recipes``: building one once into the model cache.
 

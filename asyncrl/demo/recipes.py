@@ -1,7 +1,8 @@
 """The demo recipes' entry point: build a recipe's model once, warm it up and publish it in the model cache.
 
 ``demo-sort`` builds in ``asyncrl.demo.model``; ``demo-calc`` and ``demo-guess`` (multi-turn) in
-``asyncrl.demo.warmup``. The launcher's preflight calls :func:`prepare_demo_model` when ``model.recipe`` names one.
+``asyncrl.demo.warmup``; ``demo-shapes`` (vision-language: an Idefics3, saved with its processor) in
+``asyncrl.demo.vlm``. The launcher's preflight calls :func:`prepare_demo_model` when ``model.recipe`` names one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.demo import model as model_mod
-from asyncrl.demo import warmup
+from asyncrl.demo import shapes, vlm, warmup
 from asyncrl.demo.model import RECIPE, RECIPE_FILE
 
 
@@ -28,10 +29,16 @@ def prepare_demo_model(
 ) -> Path:
     """Build, warm up and save the ``recipe``'s demo model at ``path``; return at once if it is already there.
 
-    ``demo-sort`` is built here; ``demo-calc`` and ``demo-guess`` (multi-turn) by ``asyncrl.demo.warmup``.
-    Concurrent callers are safe: each builds in its own temp directory and the first rename wins.
+    ``demo-sort`` is built here; ``demo-calc`` and ``demo-guess`` (multi-turn) by ``asyncrl.demo.warmup``;
+    ``demo-shapes`` by ``asyncrl.demo.vlm``, which also needs its shipped data's images: drawn here, cached
+    model or not, as they are not committed. Concurrent callers are safe: each builds in its own temp
+    directory and the first rename wins (image files likewise, see ``shapes.ensure_images``).
     """
     path = Path(path)
+    if recipe == vlm.RECIPE:
+        drawn = sum(shapes.ensure_images(shapes.DATA_DIR / name) for name in shapes.SPLIT_FILES)
+        if drawn:
+            log(f"demo model: drew {drawn} missing images under {shapes.DATA_DIR / 'images'}")
     if is_prepared(path):
         cached = json.loads((path / RECIPE_FILE).read_text()).get("recipe")
         if cached != recipe:
@@ -40,11 +47,14 @@ def prepare_demo_model(
         return path
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} exists, is not empty and holds no {RECIPE_FILE}; not overwriting it")
+    processor = None
     if recipe in (RECIPE, model_mod.MOE_RECIPE):
         model, tokenizer, record = model_mod.build_sort(seed, log, recipe)
+    elif recipe == vlm.RECIPE:
+        model, tokenizer, processor, record = vlm.build_shapes(seed, log)
     else:
         model, tokenizer, record = warmup.build(recipe, seed, log)
-    _publish(path, model, tokenizer, record)
+    _publish(path, model, tokenizer, record, processor)
     return path
 
 
@@ -57,12 +67,14 @@ def _portable_tokenizer_class(directory: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def _publish(path: Path, model, tokenizer, recipe: dict) -> None:
+def _publish(path: Path, model, tokenizer, recipe: dict, processor=None) -> None:
+    """Save into a temp directory and rename it to ``path``; a processor (a vision model's) saves the
+    tokenizer with its own config, so ``AutoProcessor.from_pretrained(path)`` works."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        (tokenizer if processor is None else processor).save_pretrained(tmp)
         _portable_tokenizer_class(tmp)
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
         try:

@@ -34,6 +34,7 @@ KEEP_VERSIONS = 8  # probes kept in Redis: a generator that applies a version th
 FIELD_PREFIX = "probe:"  # the run's metadata field of version v is probe:<v>
 DIFF_PREFIX = "probe_diff:"  # ... and the largest difference a generator found at v, probe_diff:<v>
 ROUTING_PREFIX = "probe_routing:"  # a mixture of experts: the learner's expert choices of the probe at v
+ROUTING_DIFF_PREFIX = "probe_routing_diff:"  # ... and the largest routing difference a generator found at v
 # Keep the larger of the stored and the new difference; a non-finite one (stored as "nan") stays: it is
 # the worst there is.
 _KEEP_MAX = """
@@ -45,10 +46,15 @@ return 1
 """
 
 
-def probe_ids(chat: ChatTokens, first_record: dict) -> list[int]:
+def probe_ids(chat: ChatTokens, first_record: dict, vision=None) -> list[int]:
     """The probe sequence: the run's first training record as ``chat`` (the run's encoding) encodes its
-    prompt, cut to ``PROBE_TOKENS`` (the same in the learner and every generator)."""
-    return chat.prompt_ids(prompt_of(first_record))[:PROBE_TOKENS]
+    prompt, cut to ``PROBE_TOKENS`` (the same in the learner and every generator). A vision-language model
+    (``vision``: its ``VisionInputs``) is probed on the prompt's text alone, without its image tokens: the
+    probe checks the language model's weights, not the vision tower's."""
+    ids = chat.prompt_ids(prompt_of(first_record))
+    if vision is not None:
+        ids = [t for t in ids if t != vision.image_token_id]
+    return ids[:PROBE_TOKENS]
 
 
 def field(version: int) -> str:
@@ -63,9 +69,14 @@ def routing_field(version: int) -> str:
     return f"{ROUTING_PREFIX}{version}"
 
 
+def routing_diff_field(version: int) -> str:
+    return f"{ROUTING_DIFF_PREFIX}{version}"
+
+
 def is_probe_field(name: str) -> bool:
     """Whether a metadata field is the probe's (its log-probs, routing or a difference), not the run's own."""
-    prefix = next((p for p in (DIFF_PREFIX, ROUTING_PREFIX) if name.startswith(p)), FIELD_PREFIX)
+    prefixes = (DIFF_PREFIX, ROUTING_DIFF_PREFIX, ROUTING_PREFIX)
+    prefix = next((p for p in prefixes if name.startswith(p)), FIELD_PREFIX)
     return name.startswith(prefix) and name[len(prefix) :].lstrip("-").isdigit()
 
 
@@ -76,6 +87,7 @@ def publish(control, version: int, logprobs: Sequence[float], routing: list | No
     if routing is not None:
         control.set_meta(routing_field(version), json.dumps(routing))
         control.forget_meta(routing_field(version - KEEP_VERSIONS))
+        control.forget_meta(routing_diff_field(version - KEEP_VERSIONS))
     control.set_meta(field(version), json.dumps([float(x) for x in logprobs]))
     control.forget_meta(field(version - KEEP_VERSIONS))
     control.forget_meta(diff_field(version - KEEP_VERSIONS))
@@ -92,7 +104,8 @@ def compare(control, version: int, logprobs: Sequence[float], routing: list | No
         record["weights/probe_logprob_diff"] = diff
     stored = control.get_meta(routing_field(version)) if routing is not None else None
     if stored is not None:
-        record["weights/probe_routing_diff"] = routing_difference(json.loads(stored), routing)
+        record["weights/probe_routing_diff"] = diff = routing_difference(json.loads(stored), routing)
+        control.r.eval(_KEEP_MAX, 1, control.keys.meta, routing_diff_field(version), f"{diff:.6g}")
     return record
 
 
@@ -123,20 +136,30 @@ def difference(control, version: int, logprobs: Sequence[float]) -> float | None
 def health(meta: Mapping[str, str]) -> dict:
     """The sync-health figure from the run's metadata fields: ``probe_logprob_diff_max``, the largest
     difference any generator found over the kept versions (None before any compared; NaN when one found
-    a non-finite difference), and ``versions``: each compared version's largest difference."""
-    diffs = {}
-    for name, value in meta.items():
-        version = name[len(DIFF_PREFIX) :]
-        if name.startswith(DIFF_PREFIX) and version.lstrip("-").isdigit():
-            diffs[int(version)] = float(value)
+    a non-finite difference), ``versions``: each compared version's largest difference, and, for a mixture of
+    experts, ``probe_routing_diff_max``: the largest routing difference over the kept versions (else None)."""
+    diffs, routing = _by_version(meta, DIFF_PREFIX), _by_version(meta, ROUTING_DIFF_PREFIX)
     worst = None
     if diffs:
         worst = math.nan if any(math.isnan(d) for d in diffs.values()) else max(diffs.values())
-    return {"probe_logprob_diff_max": worst, "versions": {str(v): diffs[v] for v in sorted(diffs)}}
+    return {
+        "probe_logprob_diff_max": worst,
+        "versions": {str(v): diffs[v] for v in sorted(diffs)},
+        "probe_routing_diff_max": max(routing.values()) if routing else None,
+    }
+
+
+def _by_version(meta: Mapping[str, str], prefix: str) -> dict[int, float]:
+    out = {}
+    for name, value in meta.items():
+        version = name[len(prefix) :]
+        if name.startswith(prefix) and version.lstrip("-").isdigit():
+            out[int(version)] = float(value)
+    return out
 
 
 def read_health(control) -> dict:
     """:func:`health` of the run ``control`` names (one read of its metadata)."""
     fields = control.r.hgetall(control.keys.meta)
-    prefix = DIFF_PREFIX.encode()
-    return health({k.decode(): v.decode(errors="replace") for k, v in fields.items() if k.startswith(prefix)})
+    prefixes = (DIFF_PREFIX.encode(), ROUTING_DIFF_PREFIX.encode())
+    return health({k.decode(): v.decode(errors="replace") for k, v in fields.items() if k.startswith(prefixes)})

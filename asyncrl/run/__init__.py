@@ -4,7 +4,8 @@
   the only writer of the run directory; ``stats``: its metrics, summary and progress line.
 * ``ray_backend``: ``asyncrl launch --backend ray``; ``slurm``, ``slurm_scripts``: ``asyncrl slurm``.
 * ``join``: ``asyncrl generator | learner | redis``, one process joining a running job from anywhere.
-* ``preflight``: what is checked before anything starts (``--dry-run``); ``resume``: ``--resume``.
+* ``preflight``: what is checked before anything starts (``--dry-run``), a vision-language run's in
+  ``vision_checks``; ``resume``: ``--resume``.
 * ``gpus``: which GPU each process of a local launch gets, and the layouts NCCL refuses.
 * ``disk``: a full disk ends a run in one line with its summary, and the next checkpoint's room is
   watched; ``samples``: the rotating ``samples.jsonl`` of rendered prompts and completions.

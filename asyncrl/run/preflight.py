@@ -19,6 +19,7 @@ from asyncrl.config import RECIPE_PATHS, Config, ModelConfig
 from asyncrl.errors import UserError
 from asyncrl.models import smollm2
 from asyncrl.models.gguf import ensure_converted, is_gguf
+from asyncrl.run.vision_checks import ImageTokens, check_vision_run, has_images
 
 
 def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = True) -> None:
@@ -37,6 +38,7 @@ def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = T
     load_episode(cfg.episode)  # the episode function or Env, its tools and tool parser
     check_model_path(cfg.model)
     check_experts(cfg)
+    check_vision_run(cfg)
     check_lora(cfg.model)
     if prompts:
         check_prompt_lengths(cfg)
@@ -148,14 +150,20 @@ def check_prompt_lengths(cfg: Config) -> None:
     if tok is None:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(cfg.model.path)
+        from asyncrl.models.vision import quiet_config_repr
+
+        with quiet_config_repr():
+            tok = AutoTokenizer.from_pretrained(cfg.model.path)
         tok.model_max_length = 1 << 62  # measuring here: transformers' "longer than the maximum" warning is ours
     chat = ChatTokens(tok, use_template=cfg.episode.chat_template, system_prompt=cfg.episode.system_prompt)
     context = _context_length(cfg.model.path, cfg.generator.max_model_len)
     budget = cfg.generator.max_new_tokens
     for path in [cfg.data.train, *([cfg.data.eval] if cfg.data.eval else [])]:
         lines = numbered_jsonl(path)
-        lengths = [len(chat.prompt_ids(prompt_of(rec))) for _, rec in lines]  # as the generators encode them
+        prompts = [chat.prompt_ids(prompt_of(rec)) for _, rec in lines]  # as the generators encode them
+        lengths = [len(ids) for ids in prompts]
+        if has_images([rec for _, rec in lines]):  # as the learner sees them: each image's tokens in place
+            lengths = _with_images(cfg.model.path, path, lines, prompts)
         bad = [(lineno, n) for (lineno, _), n in zip(lines, lengths, strict=True) if not fits(n, budget, context)]
         if bad:
             (lineno, n), more = bad[0], len(bad) - 1
@@ -164,6 +172,18 @@ def check_prompt_lengths(cfg: Config) -> None:
                 f"{n + budget}, more than the model's context of {context} tokens"
                 + (f" ({more} more lines like it)" if more else "")
             )
+
+
+def _with_images(model_path: str, path: str, lines: list[tuple[int, dict]], prompts: list[list[int]]) -> list[int]:
+    """The prompts' lengths with each record's image tokens; one error for the first record whose placeholders
+    and images disagree."""
+    tokens = ImageTokens(model_path, path, [rec for _, rec in lines])
+    out = []
+    for (lineno, rec), ids in zip(lines, prompts, strict=True):
+        if wrong := tokens.placeholder_problem(ids, rec):
+            raise UserError(f"{path}:{lineno}: {wrong}")
+        out.append(len(ids) + tokens.extra(rec))
+    return out
 
 
 # tokenizer_config.json keys after which a generic fast tokenizer encodes exactly as its tokenizer.json does

@@ -46,6 +46,9 @@ def test_the_moe_demo_learns_and_reports_its_routers_every_step(run_dir):
     # every version; a near-tie in the router may flip one (layer, token) of the ~24 between fp32 kernels
     routing = [r["weights/probe_routing_diff"] for r in applied]
     assert len(routing) == len(applied) and max(routing) < 0.1, routing
+    # and per learner step: the largest over the versions the generators applied by then (none at step 1)
+    per_step = [r["weights/probe_routing_diff_max"] for r in steps if "weights/probe_routing_diff_max" in r]
+    assert len(per_step) >= STEPS - 2 and max(per_step) < 0.1, per_step
 
 
 def test_the_moe_export_loads_in_transformers_and_vllm(run_dir):

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_common import PlainParamsExtension  # noqa: E402
+from vllm_common import PlainParamsExtension, fresh_parallel_state  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.demo.model import build_moe_model, build_tokenizer  # noqa: E402
@@ -36,6 +36,7 @@ def moe_dir(tmp_path_factory):
 def engine(moe_dir):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cfg = load_config(None, {"model.path": str(moe_dir), "model.recipe": None, "generator.engine.type": "vllm"})
+    fresh_parallel_state()
     return VllmEngine(cfg.generator.engine, cfg.model, 8, seed=0, extension=PlainParamsExtension)
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from asyncrl.generators.engine import Engine, Sampling, StepOutput
+from asyncrl.generators.prompts import Prompt
 from asyncrl.generators.scheduler import EnginePump
 
 
@@ -27,7 +28,7 @@ class CountingEngine(Engine):
         self.aborted: list[str] = []
         self.added: list[tuple[str, list[int]]] = []
 
-    def add_request(self, request_id, prompt, sampling):
+    def add_request(self, request_id, prompt, sampling, images=()):
         assert sampling.n == 1 or self.multi_sample, "n samples asked of an engine without multi_sample"
         self.live[request_id] = [list(prompt), sampling.max_new_tokens, 0, set(range(sampling.n))]
         self.added.append((request_id, list(prompt), sampling.n))
@@ -308,7 +309,7 @@ def test_a_groups_single_turns_share_one_n_sample_request():
 
     async def scenario():
         runner = asyncio.create_task(pump.run())
-        shared = GroupTurns(pump, [9], SAMPLING, 3)
+        shared = GroupTurns(pump, Prompt([9]), SAMPLING, 3)
         try:
             quitter = asyncio.create_task(shared([9], 4))
             firsts = [asyncio.create_task(shared([9], 4)) for _ in range(2)]

@@ -13,7 +13,8 @@ import torch
 
 from asyncrl.config.presets import get_preset
 from asyncrl.learners.objective import StepLoss
-from asyncrl.learners.worker import behaviour_mismatch, make_batch, step_record
+from asyncrl.learners.records import step_record
+from asyncrl.learners.worker import behaviour_mismatch, make_batch
 from asyncrl.protocol import Sample, TrajectoryGroup
 
 LEARNER_VERSION = 5

@@ -29,17 +29,26 @@ def control(redis_server):
 
 @pytest.mark.redis
 def test_the_largest_difference_of_any_generator_is_kept_per_version(control):
-    assert probe.read_health(control) == {"probe_logprob_diff_max": None, "versions": {}}
+    assert probe.read_health(control) == {
+        "probe_logprob_diff_max": None,
+        "versions": {},
+        "probe_routing_diff_max": None,
+    }
     for version in (1, 2):
         probe.publish(control, version, LEARNER)
     assert probe.difference(control, 1, [-1.0, -2.25, -0.5]) == 0.25  # generator A
     assert probe.difference(control, 1, [-1.0, -2.0, -0.5]) == 0.0  # generator B, later: A's stays
     assert probe.difference(control, 2, [-1.125, -2.0, -0.5]) == 0.125
     assert probe.difference(control, 7, LEARNER) is None  # no probe of version 7: nothing kept
-    assert probe.read_health(control) == {"probe_logprob_diff_max": 0.25, "versions": {"1": 0.25, "2": 0.125}}
+    health = probe.read_health(control)
+    assert health == {
+        "probe_logprob_diff_max": 0.25,
+        "versions": {"1": 0.25, "2": 0.125},
+        "probe_routing_diff_max": None,
+    }
     for version in range(3, 3 + probe.KEEP_VERSIONS):  # versions 1 and 2 age out with their probes
         probe.publish(control, version, LEARNER)
-    assert probe.read_health(control) == {"probe_logprob_diff_max": None, "versions": {}}
+    assert probe.read_health(control)["versions"] == {}
 
 
 @pytest.mark.redis
@@ -64,7 +73,11 @@ def test_status_shows_the_sync_figure(redis_server, control):
         probe.publish(control, version, LEARNER)
         probe.difference(control, version, [-1.0, -2.0, -0.5 + version / 1000])
     st = status(redis_url=redis_server.url, prefix=control.keys.prefix)
-    assert st["weight_sync"] == {"probe_logprob_diff_max": 0.003, "versions": {"2": 0.002, "3": 0.003}}
+    assert st["weight_sync"] == {
+        "probe_logprob_diff_max": 0.003,
+        "versions": {"2": 0.002, "3": 0.003},
+        "probe_routing_diff_max": None,  # a dense model
+    }
     console = Console(record=True, width=200)
     render(st, console)
     text = console.export_text()
@@ -84,6 +97,8 @@ def test_a_mixture_of_experts_record_compares_the_expert_choices_too(control):
     }
     engine = [[[0, 3], [1, 4], [2, 5]], [[4, 7], [0, 1], [3, 5]]]  # two of six (layer, token) differ
     assert probe.compare(control, 1, LEARNER, engine)["weights/probe_routing_diff"] == pytest.approx(2 / 6)
+    # the largest any generator found at a kept version, for the learner's step record
+    assert probe.read_health(control)["probe_routing_diff_max"] == pytest.approx(2 / 6)
     assert "weights/probe_routing_diff" not in probe.compare(control, 1, LEARNER)  # a dense engine: no routing
     probe.publish(control, 2, LEARNER)  # a dense learner: nothing to compare the engine's choices with
     assert probe.compare(control, 2, LEARNER, engine) == {"weights/probe_logprob_diff": 0.0}
@@ -93,4 +108,5 @@ def test_a_mixture_of_experts_record_compares_the_expert_choices_too(control):
     for version in range(3, 3 + probe.KEEP_VERSIONS):  # old routing goes with its probe
         probe.publish(control, version, LEARNER, learner)
     assert control.get_meta(f"{probe.ROUTING_PREFIX}1") is None
+    assert probe.read_health(control)["probe_routing_diff_max"] is None  # version 1's difference went with it
     assert probe.is_probe_field(f"{probe.ROUTING_PREFIX}3") and not probe.is_probe_field("probe_routing:x")
