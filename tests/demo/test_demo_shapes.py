@@ -219,26 +219,28 @@ def test_fresh_models_are_deterministic_for_a_seed(processor):
 
 
 @pytest.mark.slow
-def test_prepare_demo_model_builds_a_partial_policy_that_sees_colours(tmp_path):
-    """The full warm-up (about a minute on 2 cores): greedy takes the wrong mode, a share of temperature-1
+def test_prepare_demo_model_builds_a_partial_policy_that_sees_colours():
+    """The full warm-up (about a minute on 2 cores), into the repository's model cache where the launch
+    (tests/e2e/test_vlm_launch.py) then finds it: greedy takes the wrong mode, a share of temperature-1
     samples is right, and nearly every sample names the right colour or the wrong mode's, so the frozen tower
     carries what RL needs."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from asyncrl.config.model import RECIPE_PATHS
     from asyncrl.demo import vlm
     from asyncrl.demo.model import RECIPE_FILE
     from asyncrl.demo.recipes import prepare_demo_model
 
     torch.set_num_threads(2)
-    path = tmp_path / "demo"
+    path = ROOT / RECIPE_PATHS["demo-shapes"]
     assert prepare_demo_model(path, seed=0, log=lambda _: None, recipe="demo-shapes") == path
     recipe = json.loads((path / RECIPE_FILE).read_text())
     assert recipe["recipe"] == "demo-shapes" and recipe["seed"] == 0
     assert recipe["eval_exact"] <= 0.3  # partial: RL has to do the rest (the demo needs <= 0.4)
     assert 0.2 <= recipe["sample_reward"] <= 0.45
     assert recipe["sample_seen"] >= 0.9
-    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temp dir left behind
+    assert not list(path.parent.glob(f".{path.name}.tmp-*"))  # no temp dir left behind
     assert all((DATA / r["images"][0]).is_file() for r in _load("eval.jsonl") + _load("train.jsonl"))
 
     processor = AutoProcessor.from_pretrained(path)
