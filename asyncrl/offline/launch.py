@@ -108,6 +108,10 @@ def preflight(cfg: OfflineConfig, mode: str, log=print, build: bool = True) -> O
 
         load_reward(cfg.data.reward, 30.0)  # imports it, or checks its URL or reward model export
     check_model_path(cfg.model)
+    from asyncrl.run.vision_checks import is_vision_dir
+
+    if is_vision_dir(cfg.model.path):  # its examples would need images, its trainer the processor's pixels
+        raise UserError(f"model {cfg.model.path} is a vision-language model: asyncrl {mode} trains text models only")
     if build:
         cfg = ensure_model(cfg, log)
     elif not (Path(cfg.model.path) / "config.json").is_file():

@@ -84,3 +84,9 @@ def test_image_tokens_and_images_that_disagree(tmp_path, vlm_dir):
 def test_what_a_vlm_cannot_run_yet(tmp_path, vlm_dir, setting, says):
     proc = dry_run(vlm_dir, dataset(tmp_path, [red()]), setting)
     assert_one_line_error(proc, "is a vision-language model", says)
+
+
+def test_offline_training_refuses_a_vlm_in_one_line(vlm_dir):
+    proc = asyncrl("sft", "--config", "configs/sort-sft.yaml", "--set", f"model.path={vlm_dir}",
+                   "--set", "model.recipe=null", "--dry-run")  # fmt: skip
+    assert_one_line_error(proc, "is a vision-language model", "asyncrl sft trains text models only")
