@@ -107,6 +107,28 @@ def repack_cpu_experts(model: torch.nn.Module) -> int:
     return packed
 
 
+def checkpoint_names(model_path: str):
+    """A function from a version's tensors under the learner's names to the names vLLM's loader reads, or None
+    where they are the same. transformers 5 holds some families' weights otherwise than their checkpoints do (a
+    mixture of experts' experts fused into one tensor per layer); vLLM loads Mixtral's only per expert, as its
+    checkpoints name them (Qwen3-MoE's and OLMoE's either way). transformers' own reversion, what its
+    ``save_pretrained`` applies, maps them, on a meta-device copy of the model (no memory, milliseconds)."""
+    from transformers import AutoConfig
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from asyncrl.models.vision import causal_lm_class
+
+    config = AutoConfig.from_pretrained(model_path)
+    if not any("experts" in key for key in config.get_text_config().to_dict()):  # dense: nothing to map (and
+        return None  # no model class to import at every generator start)
+    with torch.device("meta"):
+        skeleton = causal_lm_class(model_path).from_config(config)
+    names = dict(skeleton.state_dict())
+    if set(revert_weight_conversion(skeleton, names)) == set(names):
+        return None
+    return lambda tensors: revert_weight_conversion(skeleton, dict(tensors))
+
+
 class VllmEngine(Engine):
     multi_sample = True
 
@@ -146,6 +168,7 @@ class VllmEngine(Engine):
             gpu_memory_utilization=0.3,
         )
         self.stepped = False
+        self.to_checkpoint = checkpoint_names(model.path)  # a mixture of experts' per-expert names
         self.vision = is_vision_config(self.llm.llm_engine.model_config.hf_config)
         # a mixture of experts: its routers record the probe's expert choices (WeightReloadExtension.asyncrl_routing)
         self.moe = self.llm.collective_rpc("asyncrl_routing", args=(False,))[0] is not None
@@ -216,6 +239,8 @@ class VllmEngine(Engine):
             engine.abort_request(parents, internal=True)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.to_checkpoint is not None:
+            tensors = self.to_checkpoint(tensors)
         self.llm.collective_rpc("asyncrl_reload", args=(tensors,))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         if self.vision:  # and image embeddings with the old tower: the scheduler's record of them goes too (the

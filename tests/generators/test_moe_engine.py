@@ -1,6 +1,7 @@
-"""A mixture of experts in the real vLLM engine (the demo-sort-moe model, a tiny Qwen3-MoE): every expert of
-every layer serves the learner's weights after each version, checked expert by expert through the weight-sync
-probe's own comparison (engine log-probs and expert choices against the learner's forward)."""
+"""A mixture of experts in the real vLLM engine (the demo-sort-moe model, a tiny Qwen3-MoE, and a Mixtral of the
+same shape): every expert of every layer serves the learner's weights after each version, checked expert by
+expert through the weight-sync probe's own comparison (engine log-probs and expert choices against the learner's
+forward)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,26 @@ from asyncrl.observe.probe import routing_difference  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
+def build_mixtral(tokenizer, seed: int):
+    """The demo MoE's shape as a Mixtral: vLLM loads its experts only under per-expert checkpoint names, which
+    the engine maps the learner's fused ones to (``vllm_engine.checkpoint_names``)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from asyncrl.demo.model import _tiny
+
+    config = MixtralConfig(
+        **{**_tiny(tokenizer, 64), "intermediate_size": 64}, num_local_experts=8, num_experts_per_tok=2
+    )
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(config).float()
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe_dir(tmp_path_factory, request):
     tokenizer = build_tokenizer()
-    model = build_moe_model(tokenizer, seed=3)
-    path = tmp_path_factory.mktemp("moe")
+    # seeds whose random routers send the probe to every expert of every layer (asserted in the test)
+    model = build_moe_model(tokenizer, seed=3) if request.param == "qwen3_moe" else build_mixtral(tokenizer, seed=7)
+    path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -57,7 +73,10 @@ def test_every_expert_of_every_layer_serves_each_new_version(engine, moe_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
-    layers, experts = len(model.model.layers), model.config.num_experts
+    layers, experts = (
+        len(model.model.layers),
+        getattr(model.config, "num_experts", None) or model.config.num_local_experts,
+    )
     ids = torch.randint(3, 259, (60,), generator=torch.Generator().manual_seed(0)).tolist()
     assert routed(model, ids) == {(layer, e) for layer in range(layers) for e in range(experts)}, (
         "the probe sequence must reach every expert, or a wrong one could pass unseen"
