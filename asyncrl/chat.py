@@ -116,7 +116,21 @@ class ChatTokens:
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def _text(self, messages: list[dict], generation_prompt: bool) -> str:
+        if self._takes_parts:
+            messages = [{**m, "content": _as_parts(m["content"])} for m in messages]
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    @functools.cached_property
+    def _takes_parts(self) -> bool:
+        """Whether the template renders a message's content only as a list of parts (vision-language models'
+        templates: SmolVLM's iterates over ``{"type": "text" | "image"}`` parts and renders a string as nothing):
+        every string content (the task's, an environment's, the base conversations') then goes in as one text
+        part."""
+
+        def render(content) -> str:
+            return self.tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
+
+        return _BASE_USER not in render(_BASE_USER) and _BASE_USER in render(_as_parts(_BASE_USER))
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - one instance per generator, a handful of roles
     def _frame(self, role: str) -> tuple[str, list[int], str]:
@@ -135,6 +149,10 @@ class ChatTokens:
         closing = before[before.rindex(_BASE_ASSISTANT) + len(_BASE_ASSISTANT) :]
         head, _, tail = after[len(before) :].partition(marker)
         return closing + head, list(self.tok.encode(closing, add_special_tokens=False)), tail
+
+
+def _as_parts(content: str | list[dict]) -> list[dict]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
 
 
 def _overlap(turn: Sequence[int], closing: Sequence[int]) -> int:

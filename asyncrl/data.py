@@ -65,7 +65,8 @@ def numbered_jsonl(path: str | Path, problem: Callable[[object], str | None] | N
 
 def prompt_of(record: dict) -> str | list[dict]:
     """A record's prompt: its ``prompt`` string, or its ``messages``, a chat of ``{"role", "content"}``
-    objects that the tokenizer's chat template renders (ending with a generation prompt)."""
+    objects that the tokenizer's chat template renders (ending with a generation prompt); a content is a string
+    or a list of text and image parts (a vision-language model's template)."""
     return record["prompt"] if "prompt" in record else record["messages"]
 
 
@@ -81,11 +82,26 @@ def _record_problem(rec: object) -> str | None:
     if not isinstance(messages, list) or not messages:
         return "'messages' must be a non-empty list of {'role': ..., 'content': ...} objects"
     for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            return f"messages[{i}] must be an object with string 'role' and 'content'"
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and _is_content(m.get("content"))):
+            return (
+                f"messages[{i}] must be an object with a string 'role' and a 'content' that is a string or a list "
+                "of {'type': 'text', 'text': ...} and {'type': 'image'} parts"
+            )
     if messages[-1]["role"] == "assistant":
         return "the last message is the assistant's: the model has nothing to answer"
     return None
+
+
+def _is_content(content: object) -> bool:
+    """A message's content: a string, or parts as vision-language chat templates take them (each image part is
+    where the record's next image goes; the template renders it as the model's image token)."""
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(part, dict)
+        and (part.get("type") == "image" or (part.get("type") == "text" and isinstance(part.get("text"), str)))
+        for part in content
+    )
 
 
 def import_by_path(spec: str) -> Callable:

@@ -35,7 +35,9 @@ def test_load_jsonl_names_the_bad_line(tmp_path):
         ('{"answer": "x"}', "string 'prompt' or a list of chat 'messages'"),
         ('{"prompt": "a", "messages": []}', "string 'prompt' or a list of chat 'messages'"),
         ('{"messages": []}', "non-empty list"),
-        ('{"messages": [{"role": "user"}]}', r"messages\[0\] must be an object with string 'role' and 'content'"),
+        ('{"messages": [{"role": "user"}]}', r"messages\[0\] must be an object with a string 'role' and a 'content'"),
+        ('{"messages": [{"role": "user", "content": [{"type": "audio"}]}]}', r"messages\[0\] .* 'image'\} parts"),
+        ('{"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}', r"messages\[0\] .*parts"),
         ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]}', "assistant"),
     ],
 )

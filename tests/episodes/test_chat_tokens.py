@@ -151,7 +151,7 @@ def test_each_role_is_rendered_once(smollm2, monkeypatch):
     for i in range(4):
         chat.observation_ids(f"tool says {i}", "tool", after=turn)
         chat.observation_ids(f"user says {i}", "user", after=turn)
-    assert len(calls) == 4  # two renders per role, then cached
+    assert len(calls) == 5  # one to learn the template's content form (string), two per role, then cached
 
 
 def test_template_that_is_not_append_only_is_refused():

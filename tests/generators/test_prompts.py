@@ -66,3 +66,44 @@ def test_images_for_a_text_model_and_placeholders_that_disagree_are_user_errors(
     assert vision_for([records[1]], str(tiny_model_dir)) is None  # no images: the processor is never loaded
     with pytest.raises(UserError, match="0 <image> tokens and the record 1 images"):
         prompts({"prompt": "What colour?", "images": ["images/blue.png"]})
+
+
+# SmolVLM-Instruct's chat template (Idefics3): a message's content is a list of text and image parts
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def test_chat_messages_with_image_parts_render_through_a_vlm_chat_template(tmp_path, tiny_vlm_dir, dataset):
+    """A real VLM checkpoint's template (SmolVLM's) takes messages whose content is a list of text and image
+    parts; an image part renders as the image token, where the record's next image goes."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "templated"
+    shutil.copytree(tiny_vlm_dir, model)
+    (model / "chat_template.jinja").write_text(SMOLVLM_TEMPLATE)
+    vision = vision_for([{"prompt": "x", "images": ["a.png"]}], str(model))
+    chat = ChatTokens(AutoTokenizer.from_pretrained(model))
+    assert chat.templated
+    record = {
+        "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
+        "images": ["images/blue.png"],
+    }
+    prompt = Prompts(chat, vision, dataset[0])(record)
+    assert chat.tok.decode(prompt.ids) == "<|im_start|>User:<image>What colour?<end_of_utterance>\nAssistant:"
+    assert prompt.ids.count(vision.image_token_id) == 1 and prompt.learner_ids.count(vision.image_token_id) == 16
+    # a template that renders contents only as parts takes every string content as one text part: plain prompts,
+    # the turn's end, an environment's reply
+    assert chat.tok.decode(chat.prompt_ids("Hi?")) == "<|im_start|>User: Hi?<end_of_utterance>\nAssistant:"
+    assert chat.tok.convert_tokens_to_ids("<end_of_utterance>") in chat.stop_token_ids
+    reply = chat.response_ids("red")
+    assert (
+        chat.tok.decode(chat.observation_ids("again", "user", after=reply))
+        == "\nUser: again<end_of_utterance>\nAssistant:"
+    )
