@@ -236,6 +236,10 @@ def _file_sha256(path: str, mtime_ns: int) -> str:  # mtime in the key: a rewrit
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def has_images(records: list[dict]) -> bool:
+    return any(r.get("images") for r in records)
+
+
 def missing_images(records: list[dict], base_dir: str | Path) -> list[str]:
     """The image files that ``records`` name and that do not exist (resolved paths, in order, once each)."""
     missing: dict[str, None] = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncrl.chat import ChatTokens
-from asyncrl.data import ImageRef, load_images, prompt_of, refs_of
+from asyncrl.data import ImageRef, has_images, load_images, prompt_of, refs_of
 from asyncrl.episodes.api import Context, Outcome
 from asyncrl.errors import UserError
 from asyncrl.models.vision import VisionInputs, is_vision_model
@@ -74,7 +74,7 @@ class Prompts:
 def vision_for(records: list[dict], model_path: str) -> VisionInputs | None:
     """The model's processor when any record has images (None otherwise: a text run never loads it);
     ``UserError`` for images given to a text-only model."""
-    if not any(r.get("images") for r in records):
+    if not has_images(records):
         return None
     if not is_vision_model(model_path):
         raise UserError(f"the dataset's records have images, and {model_path} is not a vision-language model")

@@ -35,14 +35,19 @@ class BatchImages:
         """The model's pixel inputs for the batch of ``groups`` (rows: every sample of each, in order);
         ``{}`` when no group has images. Each tensor has a row per sample, so mini-batches slice it; keys are
         the forward's keywords under ``IMAGE_PREFIX`` (``learners.models.image_inputs``)."""
-        rows = [self._pictures(g.images) for g in groups for _ in g.samples]
-        if not any(rows):
+        import torch
+
+        shown = [self._pictures(g.images) for g in groups]
+        if not any(shown):
             return {}
-        inputs = self.vision.pixels(rows)
-        if any(v.shape[0] != len(rows) for v in inputs.values()):
+        inputs = self.vision.pixels(shown)  # once per group: its samples all show the same images
+        if any(v.shape[0] != len(shown) for v in inputs.values()):
             shapes = {k: tuple(v.shape) for k, v in inputs.items()}
-            raise UserError(f"this model's image processor does not give one row per sample ({shapes}): not supported")
-        return {IMAGE_PREFIX + k: v for k, v in inputs.items()}
+            raise UserError(
+                f"this model's image processor does not give one row per prompt ({shapes}): not supported"
+            )
+        samples = torch.tensor([len(g.samples) for g in groups])
+        return {IMAGE_PREFIX + k: v.repeat_interleave(samples, dim=0) for k, v in inputs.items()}
 
     def _pictures(self, refs: list[ImageRef]) -> list:
         pictures = []

@@ -19,7 +19,7 @@ from asyncrl.config import RECIPE_PATHS, Config, ModelConfig
 from asyncrl.errors import UserError
 from asyncrl.models import smollm2
 from asyncrl.models.gguf import ensure_converted, is_gguf
-from asyncrl.run.vision_checks import ImageTokens, check_vision_run, has_images
+from asyncrl.run.vision_checks import ImageTokens, check_vision_run
 
 
 def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = True) -> None:
@@ -143,7 +143,7 @@ def check_prompt_lengths(cfg: Config) -> None:
     if not (Path(cfg.model.path) / "config.json").is_file():
         return
     from asyncrl.chat import ChatTokens
-    from asyncrl.data import numbered_jsonl, prompt_of
+    from asyncrl.data import has_images, numbered_jsonl, prompt_of
     from asyncrl.generators.engine import fits
 
     tok = plain_tokenizer(cfg.model.path)

@@ -86,7 +86,3 @@ def _inline(blob: bytes):
     from PIL import Image
 
     return Image.open(io.BytesIO(blob))
-
-
-def has_images(records: list[dict]) -> bool:
-    return any(r.get("images") for r in records)
