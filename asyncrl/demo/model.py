@@ -193,13 +193,16 @@ def greedy_eval(model, tokenizer, records: Sequence[dict], max_new_tokens: int =
 
 def _sft_batch(tokenizer, records: Sequence[dict]):
     """Right-padded ``prompt + answer + </s>`` with labels only on answer and EOS (-100 elsewhere)."""
+    prompts = [tokenizer.encode(rec["prompt"]) for rec in records]
+    return pad_sft(tokenizer, prompts, [tokenizer.encode(rec["answer"]) + [tokenizer.eos_token_id] for rec in records])
+
+
+def pad_sft(tokenizer, prompts: Sequence[list[int]], answers: Sequence[list[int]]):
+    """``(input_ids, attention_mask, labels)``: each ``prompt + answer`` right-padded, labels on the answer only."""
     import torch
 
-    rows, labels = [], []
-    for rec in records:
-        p, a = tokenizer.encode(rec["prompt"]), tokenizer.encode(rec["answer"]) + [tokenizer.eos_token_id]
-        rows.append(p + a)
-        labels.append([-100] * len(p) + a)
+    rows = [p + a for p, a in zip(prompts, answers, strict=True)]
+    labels = [[-100] * len(p) + a for p, a in zip(prompts, answers, strict=True)]
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), tokenizer.pad_token_id)
     lab = torch.full((len(rows), width), -100)

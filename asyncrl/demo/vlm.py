@@ -21,14 +21,14 @@ torch, transformers and PIL are imported inside functions so ``import asyncrl`` 
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncrl.demo import shapes
-from asyncrl.demo.model import build_tokenizer
+from asyncrl.demo.model import build_tokenizer, pad_sft
+from asyncrl.demo.warmup import lr_factor
 
 RECIPE = "demo-shapes"
 MAX_POSITIONS = 128  # prompt 53 ids (the image is 19 of them) + max_new_tokens 8, with slack; vLLM's max_model_len
@@ -205,19 +205,9 @@ def sampled_rates(model, tokenizer, enc: Encoded, seed: int, rounds: int = SAMPL
 
 def _sft_batch(tokenizer, enc: Encoded, idx: Sequence[int], answers: Sequence[str]) -> dict:
     """Right-padded ``prompt + answer + </s>``, labels only on answer and EOS (-100 on prompt and image)."""
-    import torch
 
-    rows, labels = [], []
-    for i, answer in zip(idx, answers, strict=True):
-        p, a = enc.prompt_ids[i], tokenizer.encode(answer) + [tokenizer.eos_token_id]
-        rows.append(p + a)
-        labels.append([-100] * len(p) + a)
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-    lab = torch.full((len(rows), width), -100)
-    att = torch.zeros((len(rows), width), dtype=torch.long)
-    for j, (r, lb) in enumerate(zip(rows, labels, strict=True)):
-        ids[j, : len(r)], lab[j, : len(lb)], att[j, : len(r)] = torch.tensor(r), torch.tensor(lb), 1
+    answer_ids = [tokenizer.encode(answer) + [tokenizer.eos_token_id] for answer in answers]
+    ids, att, lab = pad_sft(tokenizer, [enc.prompt_ids[i] for i in idx], answer_ids)
     return dict(
         input_ids=ids,
         attention_mask=att,
@@ -225,12 +215,6 @@ def _sft_batch(tokenizer, enc: Encoded, idx: Sequence[int], answers: Sequence[st
         pixel_values=enc.pixel_values[list(idx)],
         pixel_attention_mask=enc.pixel_attention_mask[list(idx)],
     )
-
-
-def _lr_factor(step: int, steps: int) -> float:
-    """Linear warm-up over the first SFT_WARMUP_SHARE of the steps, then cosine decay to 0."""
-    warm = max(1, int(SFT_WARMUP_SHARE * steps))
-    return min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / steps))
 
 
 def sft_warmup(
@@ -247,7 +231,7 @@ def sft_warmup(
 
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, SFT_WARMUP_SHARE))
     model.train()
     loss = torch.tensor(float("nan"))
     for step in range(1, steps + 1):

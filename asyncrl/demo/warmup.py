@@ -146,9 +146,9 @@ def _sft_step(model, tokenizer, rows: list[tuple[list[int], list[int]]]) -> floa
     return total / n_labels
 
 
-def _lr_factor(step: int, steps: int) -> float:
-    """Linear warm-up over the first SFT_WARMUP_SHARE of the steps, then cosine decay to 0."""
-    warm = max(1, int(SFT_WARMUP_SHARE * steps))
+def lr_factor(step: int, steps: int, warmup_share: float = SFT_WARMUP_SHARE) -> float:
+    """Linear warm-up over the first ``warmup_share`` of the steps, then cosine decay to 0."""
+    warm = max(1, int(warmup_share * steps))
     return min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / steps))
 
 
@@ -159,7 +159,7 @@ def sft_warmup(model, tokenizer, recipe: Recipe, train: Sequence[dict], seed: in
     rng = random.Random(seed)
     steps = recipe.sft_steps
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.sft_lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(_lr_factor, steps=steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, steps=steps))
     model.train()
     for step in range(1, steps + 1):
         rows = [
