@@ -42,6 +42,13 @@ def load_jsonl(path: str | Path) -> list[dict]:
     return records
 
 
+def write_jsonl(path: str | Path, records: list[dict]) -> None:
+    """``records`` as a JSONL dataset file, one compact object per line (what the demos' data scripts write)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+
+
 def numbered_jsonl(path: str | Path, problem: Callable[[object], str | None] | None = None) -> list[tuple[int, dict]]:
     """``(line number, record)`` of every non-blank line; errors name the file and line. ``problem``: what
     is wrong with one record, or None (default: a prompt dataset's rule)."""

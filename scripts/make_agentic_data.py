@@ -10,9 +10,9 @@ DATA_SEED)`` for the SmolLM2 config (configs/smollm2-arith.yaml).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from asyncrl.data import write_jsonl
 from asyncrl.demo import arith, calc, guess
 
 SPLITS = {
@@ -20,11 +20,6 @@ SPLITS = {
     "calc": lambda: calc.make_splits(calc.N_TRAIN, calc.N_EVAL, calc.DATA_SEED),
     "guess": lambda: guess.make_splits(guess.N_TRAIN, guess.DATA_SEED),
 }
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
 
 
 def main() -> None:

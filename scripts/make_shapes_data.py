@@ -9,15 +9,10 @@ SFT warm-up makes, so the files and the warm-up always agree.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from asyncrl.data import write_jsonl
 from asyncrl.demo.shapes import DATA_SEED, N_EVAL, N_TRAIN, ensure_images, make_splits
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
 
 
 def main() -> None:

@@ -10,16 +10,11 @@ warm-up makes, so the files and the warm-up always agree.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 
+from asyncrl.data import write_jsonl
 from asyncrl.demo.sort import DATA_SEED, N_EVAL, N_TRAIN, make_splits, pair_record, sft_record
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
 
 
 def main() -> None:
