@@ -5,18 +5,15 @@ forward)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from vllm_common import PlainParamsExtension, fresh_parallel_state  # noqa: E402
+from vllm_common import start_engine  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.demo.model import build_moe_model, build_tokenizer  # noqa: E402
-from asyncrl.generators.vllm_engine import VllmEngine  # noqa: E402
 from asyncrl.learners.worker import Models, probe_logprobs, probe_of  # noqa: E402
 from asyncrl.observe.probe import routing_difference  # noqa: E402
 
@@ -50,10 +47,7 @@ def moe_dir(tmp_path_factory, request):
 
 @pytest.fixture(scope="module")
 def engine(moe_dir):
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cfg = load_config(None, {"model.path": str(moe_dir), "model.recipe": None, "generator.engine.type": "vllm"})
-    fresh_parallel_state()
-    return VllmEngine(cfg.generator.engine, cfg.model, 8, seed=0, extension=PlainParamsExtension)
+    return start_engine(moe_dir)
 
 
 def routed(model, ids: list[int]) -> set[tuple[int, int]]:

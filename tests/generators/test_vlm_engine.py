@@ -5,17 +5,14 @@ again after the reload (its cached embedding dropped with the old weights), and 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from PIL import Image
 
 pytest.importorskip("vllm")
 
-from vllm_common import PlainParamsExtension, fresh_parallel_state  # noqa: E402
+from vllm_common import start_engine  # noqa: E402
 
-from asyncrl.config import load_config  # noqa: E402
 from asyncrl.generators.engine import Sampling  # noqa: E402
 from asyncrl.generators.vllm_engine import VllmEngine  # noqa: E402
 from asyncrl.learners.batching import model_logprobs  # noqa: E402
@@ -33,10 +30,7 @@ def vlm_dir(tiny_vlm_dir):
 
 @pytest.fixture(scope="module")
 def engine(vlm_dir):
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cfg = load_config(None, {"model.path": str(vlm_dir), "model.recipe": None, "generator.engine.type": "vllm"})
-    fresh_parallel_state()
-    return VllmEngine(cfg.generator.engine, cfg.model, 8, seed=0, extension=PlainParamsExtension)
+    return start_engine(vlm_dir)
 
 
 def pictures() -> list[Image.Image]:
