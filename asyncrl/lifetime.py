@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -77,6 +78,17 @@ def die_with(parent_pid: int, sig: int = signal.SIGTERM) -> Callable[[], None]:
 
 
 NICE_WHEN_UP_ENV = "ASYNCRL_NICE_WHEN_UP"  # a generator started at full priority lowers itself to this when up
+CORES_WHEN_UP_ENV = "ASYNCRL_CORES_WHEN_UP"  # ... and pins itself to these cores ("0,1"), started on any
+
+
+def pin_threads(cores: set[int]) -> None:
+    """Pin every thread of this process to ``cores`` (nothing for an empty set); threads and processes it
+    starts later inherit the pin. ``os.sched_setaffinity(0, ...)`` would pin the calling thread only."""
+    if not cores:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cores)
 
 
 def lower_priority(nice: int) -> None:
@@ -159,12 +171,14 @@ class Child:
     incarnation: int = 0
 
     nice: int = 0
-    cpus: set[int] | None = None
+    cpus: set[int] | None = None  # pinned to these cores from the start
     launcher_pid: int = dataclasses.field(default_factory=os.getpid)
 
     # its first start at full priority, niced only once its engine is up: the first learner step waits for
     # one generator's start-up, which a niced process does only in the CPU the learners' start leaves it
     nice_when_up: bool = False
+    # pinned to these cores once its engine is up (CORES_WHEN_UP_ENV): its start-up takes whichever core is free
+    cpus_when_up: set[int] | None = None
 
     def _preexec(self, nice: int) -> None:
         die_with(self.launcher_pid)()
@@ -180,6 +194,8 @@ class Child:
         env, nice = self.env, self.nice
         if self.nice_when_up and self.incarnation == 0 and nice:  # a restart starts niced: the run goes on
             env, nice = {**env, NICE_WHEN_UP_ENV: str(nice)}, 0
+        if self.cpus_when_up:
+            env = {**env, CORES_WHEN_UP_ENV: ",".join(map(str, sorted(self.cpus_when_up)))}
         self.proc = subprocess.Popen(
             cmd,
             env=env,

@@ -47,8 +47,9 @@ class RunConfig(Section):
     timeout_s: float = Field(3600.0, gt=0, description="Wall-clock limit of the whole run.")
     cpu_scheduling: bool = Field(
         True,
-        description="On CPU-only machines pin learner rank r and generator r to core r and run generators at "
-        "generator_nice, so learner collectives never wait behind sampling (the learner is the critical path).",
+        description="On CPU-only machines pin learner ranks to the first cores and generators (once their engine "
+        "is up) to the next ones, round the cores again when they are fewer (2 cores, 2 + 2: learner r and generator "
+        "r on core r), and run generators at generator_nice, so learner collectives never wait behind sampling.",
     )
     generator_nice: int = Field(10, ge=0, le=19, description="Niceness of generators under cpu_scheduling.")
     host: str = Field(

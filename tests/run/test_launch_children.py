@@ -3,6 +3,7 @@ allocator its learner ranks run on."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from demo_launch import DEMO
 from asyncrl.config import load_config
 from asyncrl.errors import UserError
 from asyncrl.lifetime import JEMALLOC_CONF, Child, jemalloc_env
-from asyncrl.run.launch import Launcher
+from asyncrl.run.launch import Launcher, core_plan
 
 
 def _exited(tmp_path, role: str, ident: int, code: str) -> Child:
@@ -86,3 +87,50 @@ def test_each_generator_is_started_on_its_own_gpu_after_the_learners(tmp_path, m
     placed = {c.name: c.env.get("CUDA_VISIBLE_DEVICES") for c in launcher.children}
     assert placed == {"learner-0": None, "generator-0": "1", "generator-1": "2", "generator-2": "1"}
     assert launcher.children[0].env["LOCAL_RANK"] == "0"
+
+
+def test_core_plan_puts_ranks_first_then_generators_round_the_cores():
+    assert core_plan([0, 1], 2, 2) == ([0, 1], [0, 1])  # the demo on 2 cores: rank r and generator r share core r
+    assert core_plan([0, 1], 1, 1) == ([0], [1])  # one each: a core each
+    assert core_plan([2, 5, 7], 1, 3) == ([2], [5, 7, 2])  # the launcher's own cores (taskset), round again
+    assert core_plan([0, 1, 2, 3], 0, 2) == ([], [0, 1])  # every rank on other hosts
+
+
+def test_spawn_pins_each_child_to_its_core_and_a_real_generator_pins_every_thread(tmp_path, monkeypatch):
+    """Under run.cpu_scheduling (no GPU driver) every learner rank is pinned to its core of the plan from the
+    start, every generator once its engine is up (CORES_WHEN_UP_ENV; vLLM's OpenMP binding told the same
+    core); a child given its cores that way pins all its threads, those started before too."""
+    from asyncrl.run import launch
+
+    started = []
+    monkeypatch.setattr(launch, "has_driver", lambda: False)
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(Child, "start", lambda self: started.append(self))
+    cfg = load_config(DEMO, {"run.out_dir": str(tmp_path), "run.learners": 1, "run.generators": 2})
+    launcher = Launcher(cfg)
+    launcher.gpus = launcher.place_gpus()
+    launcher.spawn(tmp_path / "config.yaml", "redis://127.0.0.1:1/0", "prefix")
+    assert [(c.name, c.cpus, c.cpus_when_up) for c in started] == [
+        ("learner-0", {0}, None), ("generator-0", None, {1}), ("generator-1", None, {0})
+    ]  # fmt: skip
+    assert [c.env["VLLM_CPU_OMP_THREADS_BIND"] for c in started[1:]] == ["1", "0"]
+    off = Launcher(load_config(DEMO, {"run.out_dir": str(tmp_path), "run.cpu_scheduling": False}))
+    off.gpus = off.place_gpus()
+    started.clear()
+    off.spawn(tmp_path / "config.yaml", "redis://127.0.0.1:1/0", "prefix")
+    assert all(c.cpus is None and c.cpus_when_up is None for c in started)
+
+    monkeypatch.undo()
+    core = max(os.sched_getaffinity(0))
+    code = (
+        "import os, threading; from asyncrl.lifetime import CORES_WHEN_UP_ENV, pin_threads; "
+        "e = threading.Event(); t = threading.Thread(target=e.wait); t.start(); "
+        "print(len(os.sched_getaffinity(0))); "
+        "pin_threads({int(c) for c in os.environ[CORES_WHEN_UP_ENV].split(',')}); "
+        "print(sorted({c for tid in os.listdir('/proc/self/task') for c in os.sched_getaffinity(int(tid))})); e.set()"
+    )
+    child = Child("generator", 0, [sys.executable, "-c", code], dict(os.environ), tmp_path / "pinned.log")
+    child.cpus_when_up = {core}
+    child.start()
+    assert child.proc.wait() == 0, (tmp_path / "pinned.log").read_text()
+    assert (tmp_path / "pinned.log").read_text().split() == [str(len(os.sched_getaffinity(0))), f"[{core}]"]
