@@ -95,6 +95,13 @@ class EpisodeConfig(Section):
         "thread = threads of the generator (no isolation; a hung call keeps its thread). async code runs on the "
         "generator's event loop either way (see asyncrl.episodes.user_code).",
     )
+    batch_rewards: bool = Field(
+        True,
+        description="Plain rewards asked in the same turn of the generator's event loop (a single-turn group's n, "
+        "and those of other episodes ending in the same engine step) go to a pool worker as one call. Never changes "
+        "an outcome: a batch that fails, and any reward in it that raised, run again alone, so a reward may run "
+        "twice for one completion: false for a reward with side effects.",
+    )
     workers: int = Field(
         4,
         ge=1,

@@ -109,7 +109,8 @@ class Context:
         self._stop = tuple(stop)
         self._cfg, self.tools, self._parser, self._reward = cfg, tools, parser, reward
         self._pool = pool
-        self._env_call, self._tool_call, self._reward_call = (caller(pool, k) for k in ("env", "tool", "reward"))
+        self._env_call, self._tool_call = caller(pool, "env"), caller(pool, "tool")
+        self._reward_call = caller(pool, "reward", batched=cfg.batch_rewards)
         self.options = cfg.options  # the run's episode.options
         self.restart()  # an empty record
         # accounting

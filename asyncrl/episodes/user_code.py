@@ -11,6 +11,7 @@
   code must be importable by path in a fresh interpreter (a module-level function or class); what is
   not (a lambda, a closure, something defined in ``__main__``) runs on a thread, as under
   ``episode.plain_code: thread``, where a call that never returns keeps its thread past its timeout.
+  Rewards asked in one turn of the event loop share one call (:class:`Batch`, ``episode.batch_rewards``).
 
 An environment class runs as one **session** per episode: its instance is built inside one worker and
 every ``reset``/``step``/``close`` of that episode goes to it (it is stateful).
@@ -18,14 +19,17 @@ every ``reset``/``step``/``close`` of that episode goes to it (it is stateful).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import sys
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.data import call_bounded, is_async
 from asyncrl.episodes.pool import WorkerPool
+from asyncrl.rewards.batch import EACH
 
 if TYPE_CHECKING:
     from asyncrl.episodes.api import Context
@@ -33,18 +37,88 @@ if TYPE_CHECKING:
 Caller = Callable[..., Awaitable[Any]]  # (fn, timeout_s, *args, **kwargs) -> fn's result, like call_bounded
 
 
-def caller(pool: WorkerPool | None, kind: str) -> Caller:
+def caller(pool: WorkerPool | None, kind: str, batched: bool = False) -> Caller:
     """A :func:`~asyncrl.data.call_bounded`-shaped caller that runs plain, importable code in ``pool``
     (its faults raised as :class:`EpisodeFailure` ``{kind}_timeout`` / ``_crash`` / ``_memory`` /
-    ``_error``), and everything else as ``call_bounded`` does (``TimeoutError``, or the code's own error)."""
+    ``_error``), and everything else as ``call_bounded`` does (``TimeoutError``, or the code's own error).
+    ``batched``: calls made in one turn of the event loop share one round trip (:class:`Batch`)."""
+    batch = Batch.of(pool, kind) if batched and pool is not None else None
 
     async def call(fn: Callable, timeout_s: float, *args: Any, **kwargs: Any) -> Any:
         target = None if pool is None or is_async(fn) else target_of(fn)
         if target is None:
             return await call_bounded(fn, timeout_s, *args, **kwargs)
+        if batch is not None and not kwargs:
+            return await batch.call(target, list(args), timeout_s)
         return await pool.call(target, list(args), kwargs, timeout_s=timeout_s, kind=kind)
 
     return call
+
+
+class Batch:
+    """Plain calls of one pool and kind made in the same turn of the event loop, sent as ONE call
+    (``asyncrl.rewards.batch:each``, run in a worker like any other): the n rewards of a single-turn group,
+    whose completions end together, and those of every other episode ending in the same engine step, cost
+    one round trip to a worker instead of one each. Batching never changes an outcome: a batch that fails
+    in any way (a timeout, a crash, a result that is not JSON) and any call in it that raised run again
+    alone, as unbatched calls, each within its own timeout -- so the code may run twice for one call, and
+    only code without side effects should be batched (``episode.batch_rewards``)."""
+
+    _ALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> {kind: its Batch}
+
+    @classmethod
+    def of(cls, pool: WorkerPool, kind: str) -> Batch:
+        """The one Batch of ``pool`` and ``kind``: every episode's caller shares it."""
+        return cls._ALL.setdefault(pool, {}).setdefault(kind, cls(pool, kind))
+
+    def __init__(self, pool: WorkerPool, kind: str):
+        self.pool, self.kind = pool, kind
+        self._waiting: dict[tuple[str, float], list[tuple[list, asyncio.Future]]] = {}
+        self._sending: set[asyncio.Task] = set()
+
+    async def call(self, target: str, args: list, timeout_s: float) -> Any:
+        loop = asyncio.get_running_loop()
+        if not self._waiting:  # the first of this turn: sent once every coroutine ready now has asked
+            loop.call_soon(self._flush)
+        answer = loop.create_future()
+        self._waiting.setdefault((target, timeout_s), []).append((args, answer))
+        return await answer
+
+    def _flush(self) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for (target, timeout_s), calls in waiting.items():
+            task = asyncio.ensure_future(self._send(target, timeout_s, calls))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, target: str, timeout_s: float, calls: list[tuple[list, asyncio.Future]]) -> None:
+        calls = [(args, answer) for args, answer in calls if not answer.done()]  # not cancelled meanwhile
+        results = None
+        if len(calls) > 1:
+            try:
+                results = await self.pool.call(
+                    EACH, [target, [args for args, _ in calls]], {}, timeout_s=timeout_s, kind=self.kind
+                )
+            except Exception:  # noqa: BLE001 - the batch failed: each call alone says why, or succeeds
+                results = None
+        alone = []
+        for i, (args, answer) in enumerate(calls):
+            if results is not None and results[i][0]:
+                if not answer.done():
+                    answer.set_result(results[i][1])
+            else:
+                alone.append(self._alone(target, args, timeout_s, answer))
+        await asyncio.gather(*alone)
+
+    async def _alone(self, target: str, args: list, timeout_s: float, answer: asyncio.Future) -> None:
+        try:
+            result = await self.pool.call(target, args, {}, timeout_s=timeout_s, kind=self.kind)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, whose error it is
+            if not answer.done():
+                answer.set_exception(exc)
+        else:
+            if not answer.done():
+                answer.set_result(result)
 
 
 def plain_env_target(cls: type, spec: str) -> str | None:
@@ -124,4 +198,4 @@ def target_of(obj: Any) -> str | None:
     return f"{module}:{qualname}" if found is obj else None
 
 
-__all__ = ["Caller", "LocalEnv", "PooledEnv", "caller", "plain_env_target", "target_of"]
+__all__ = ["Batch", "Caller", "LocalEnv", "PooledEnv", "caller", "plain_env_target", "target_of"]

@@ -6,6 +6,7 @@
 * ``remote``: the client of a reward server; ``serve``: ``asyncrl reward-serve``, any reward over HTTP from
   killable worker processes.
 * ``model``: a trained reward model (an ``asyncrl rm`` export) as a reward.
+* ``batch``: the worker side of batched reward calls (``asyncrl.episodes.user_code.Batch``).
 
 A reward of your own needs nothing from here: any ``module:function`` (``reward(prompt, completion, record)``).
 

@@ -117,3 +117,14 @@ class Clock:
 
     def step(self) -> int:
         return time.monotonic_ns()
+
+
+def reward(prompt: str, completion: str, record: dict):
+    """A reward as ``data.reward`` names one, whose completion says how it behaves (``asyncrl.rewards.batch``)."""
+    if completion == "raise":
+        raise ValueError(f"cannot score {prompt}")
+    if completion == "hang":
+        time.sleep(60)
+    if completion == "set":
+        return {1, 2}  # not JSON
+    return len(completion) + record["bonus"]

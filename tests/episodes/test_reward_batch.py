@@ -1,0 +1,94 @@
+"""Rewards asked in one turn of the event loop go to the worker pool as one call (``user_code.Batch``), with
+real worker processes: the answers are each call's own, and no outcome differs from the unbatched one --
+an error, a result that is not JSON, a hang. Timeouts here only decide which calls hang, with wide margins."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pool_targets
+import pytest
+from test_pool import in_pool
+
+from asyncrl.episodes.user_code import caller
+from asyncrl.errors import EpisodeFailure
+from asyncrl.rewards import batch
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 30.0
+HANG_S = 2.0  # the hanging reward's timeout; it sleeps 60 s
+
+
+async def outcome(call, completion: str, timeout_s: float = WAIT_S):
+    """The reward's answer, or ``(cause, detail)`` of its failure."""
+    try:
+        return await call(pool_targets.reward, timeout_s, "p", completion, {"bonus": 10})
+    except EpisodeFailure as failure:
+        return failure.cause, re.sub(r"pid \d+", "pid N", failure.detail)  # a killed worker's pid: any
+
+
+def test_rewards_asked_in_one_turn_are_one_call_and_each_gets_its_own_answer():
+    async def test(pool):
+        call = caller(pool, "reward", batched=True)
+        answers = await asyncio.gather(*(outcome(call, "x" * i) for i in range(20)))
+        assert answers == [10 + i for i in range(20)]
+        assert pool.stats()["calls"] == 1
+        answers = await asyncio.gather(*(outcome(call, "x" * i) for i in range(3)))  # the next turn's: another
+        assert answers == [10, 11, 12] and pool.stats()["calls"] == 2
+        unbatched = caller(pool, "reward")
+        await asyncio.gather(*(outcome(unbatched, "x") for _ in range(4)))
+        assert pool.stats()["calls"] == 6
+
+    in_pool(test, workers=2, threads=4)
+
+
+@pytest.mark.parametrize("odd", ["raise", "set", "hang"])
+def test_a_batch_never_changes_an_outcome(odd):
+    """One odd reward among good ones: batched, every call ends as it does unbatched (the odd one with its own
+    cause and detail, the good ones with their scores), the batch run again call by call."""
+
+    async def test(pool):
+        completions = ["a", odd, "bb", "ccc"]
+        timeout = HANG_S if odd == "hang" else WAIT_S
+        batched = await asyncio.gather(*(outcome(caller(pool, "reward", True), c, timeout) for c in completions))
+        alone = [await outcome(caller(pool, "reward"), c, timeout) for c in completions]
+        assert batched == alone
+        assert batched[0] == 11 and batched[2] == 12 and batched[3] == 13
+        assert batched[1][0] == {"raise": "reward_error", "set": "reward_error", "hang": "reward_timeout"}[odd]
+
+    in_pool(test, workers=2, threads=4)
+
+
+def test_a_cancelled_asker_leaves_the_others_their_answers():
+    async def test(pool):
+        call = caller(pool, "reward", batched=True)
+        tasks = [asyncio.ensure_future(outcome(call, "x" * i)) for i in range(4)]
+        await asyncio.sleep(0)  # each has asked
+        tasks[1].cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        assert isinstance(done[1], asyncio.CancelledError) and [done[0], *done[2:]] == [10, 12, 13]
+
+    in_pool(test, workers=2, threads=4)
+
+
+def test_each_scores_in_order_and_marks_what_raised():
+    assert batch.each("pool_targets:reward", [["p", "ab", {"bonus": 1}], ["p", "raise", {}]]) == [
+        [True, 3],
+        [False, None],
+    ]
+
+
+@pytest.mark.redis
+def test_the_episode_overhead_bench_measures_both_sides():
+    """scripts/bench/episode_overhead.py, briefly: it runs and prints its figures for both configurations."""
+    cmd = [sys.executable, "scripts/bench/episode_overhead.py", "--rounds", "1", "--groups", "16"]
+    out = subprocess.run([*cmd, "--set", "episode.batch_rewards=false"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = dict(line.split()[1:3] for line in out.stdout.splitlines() if line.startswith("RESULT "))
+    assert set(results) == {"generator_cpu_ms_per_group", "pool_cpu_ms_per_group", "cpu_per_group_over_overrides"}
+    assert float(results["generator_cpu_ms_per_group"]) > 0 and float(results["cpu_per_group_over_overrides"]) > 0
+    assert float(results["pool_cpu_ms_per_group"]) >= 0  # the workers' CPU is read in clock ticks: 16 groups, maybe 0
