@@ -8,24 +8,24 @@ so it costs a fresh worker nothing.
 from __future__ import annotations
 
 import importlib
+import time
 from typing import Any
 
 EACH = "asyncrl.rewards.batch:each"  # the target the parent names
 
 
-def each(target: str, calls: list[list]) -> list[list]:
-    """``[ok, value]`` of ``target(*args)`` for each ``args`` in ``calls``, in order: ``[True, its result]``, or
-    ``[False, None]`` where it raised (the parent runs that call again alone, which reports its error as an
-    unbatched call does)."""
+def each(target: str, calls: list[list]) -> dict:
+    """``{"results": [[ok, value], ...], "seconds": s}``: for each ``args`` in ``calls``, in order, ``[True, the
+    result of target(*args)]`` or ``[False, None]`` where it raised (the parent runs that call again alone,
+    which reports its error as an unbatched call does); ``seconds``: the time the calls took here."""
     module, _, qualname = target.partition(":")
     fn: Any = importlib.import_module(module)
     for part in qualname.split("."):
         fn = getattr(fn, part)
-    fn = getattr(fn, "fn", fn)  # a @tool: the function it declares, as the worker unwraps it
-    out = []
+    started, results = time.perf_counter(), []
     for args in calls:
         try:
-            out.append([True, fn(*args)])
+            results.append([True, fn(*args)])
         except Exception:  # noqa: BLE001 - this call's own error: the parent asks it again alone
-            out.append([False, None])
-    return out
+            results.append([False, None])
+    return {"results": results, "seconds": time.perf_counter() - started}

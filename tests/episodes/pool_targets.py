@@ -127,4 +127,6 @@ def reward(prompt: str, completion: str, record: dict):
         time.sleep(60)
     if completion == "set":
         return {1, 2}  # not JSON
+    if completion == "nap":
+        time.sleep(0.2)
     return len(completion) + record["bonus"]

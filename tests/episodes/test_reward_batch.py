@@ -5,6 +5,7 @@ an error, a result that is not JSON, a hang. Timeouts here only decide which cal
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import subprocess
 import sys
@@ -14,9 +15,9 @@ import pool_targets
 import pytest
 from test_pool import in_pool
 
-from asyncrl.episodes.user_code import caller
+from asyncrl.episodes.user_code import Batch, caller
 from asyncrl.errors import EpisodeFailure
-from asyncrl.rewards import batch
+from asyncrl.rewards.batch import each
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0
@@ -32,16 +33,39 @@ async def outcome(call, completion: str, timeout_s: float = WAIT_S):
 
 
 def test_rewards_asked_in_one_turn_are_one_call_and_each_gets_its_own_answer():
+    """A target's first turn sends FIRST calls as one (the rest alone); once that batch was fast (here: any
+    batch is), a turn's calls are one call, each with its own answer."""
+
     async def test(pool):
-        call = caller(pool, "reward", batched=True)
-        answers = await asyncio.gather(*(outcome(call, "x" * i) for i in range(20)))
-        assert answers == [10 + i for i in range(20)]
-        assert pool.stats()["calls"] == 1
-        answers = await asyncio.gather(*(outcome(call, "x" * i) for i in range(3)))  # the next turn's: another
-        assert answers == [10, 11, 12] and pool.stats()["calls"] == 2
+        batch = Batch(pool, "reward", slow_s=math.inf)
+        target, first = "pool_targets:reward", Batch.FIRST
+
+        async def turn(n: int) -> list:
+            return await asyncio.gather(*(batch.call(target, ["p", "x" * i, {"bonus": 10}], WAIT_S) for i in range(n)))
+
+        assert await turn(20) == [10 + i for i in range(20)]
+        assert pool.stats()["calls"] == 1 + 20 - first and batch.fast == {target: True}
+        assert await turn(20) == [10 + i for i in range(20)]
+        assert pool.stats()["calls"] == 2 + 20 - first
+        assert await turn(3) == [10, 11, 12] and pool.stats()["calls"] == 3 + 20 - first  # the next turn: another
         unbatched = caller(pool, "reward")
         await asyncio.gather(*(outcome(unbatched, "x") for _ in range(4)))
-        assert pool.stats()["calls"] == 6
+        assert pool.stats()["calls"] == 7 + 20 - first
+
+    in_pool(test, workers=2, threads=4)
+
+
+def test_a_slow_reward_goes_alone_after_its_first_batch():
+    """Batched, calls run one after another in a worker: a reward slower than slow_s a call (it sleeps 0.2 s)
+    is batched once, then its calls go alone, side by side on the pool's threads."""
+
+    async def test(pool):
+        batch = Batch(pool, "reward")
+        target = "pool_targets:reward"
+        for _ in range(2):
+            answers = await asyncio.gather(*(batch.call(target, ["p", "nap", {"bonus": 1}], WAIT_S) for _ in range(4)))
+            assert answers == [4] * 4
+        assert batch.fast == {target: False} and pool.stats()["calls"] == 1 + 4
 
     in_pool(test, workers=2, threads=4)
 
@@ -76,10 +100,8 @@ def test_a_cancelled_asker_leaves_the_others_their_answers():
 
 
 def test_each_scores_in_order_and_marks_what_raised():
-    assert batch.each("pool_targets:reward", [["p", "ab", {"bonus": 1}], ["p", "raise", {}]]) == [
-        [True, 3],
-        [False, None],
-    ]
+    done = each("pool_targets:reward", [["p", "ab", {"bonus": 1}], ["p", "raise", {}]])
+    assert done["results"] == [[True, 3], [False, None]] and done["seconds"] >= 0
 
 
 @pytest.mark.redis
