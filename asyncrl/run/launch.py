@@ -173,7 +173,9 @@ class Launcher:
         learner_env = self.learner_env(base)
         master_port = str(free_loopback_port())
         local = cfg.run.learners - cfg.run.remote_learners
-        learner_cores, generator_cores = core_plan(sorted(os.sched_getaffinity(0)), local, cfg.run.generators)
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux: the cores this launcher may use
+        cores = sorted(affinity(0)) if affinity else list(range(os.cpu_count() or 1))
+        learner_cores, generator_cores = core_plan(cores, local, cfg.run.generators)
         # the rendezvous store listens on this address only (learners.engine), gloo's pair sockets on
         # its interface: loopback, unless ranks on other hosts join (`asyncrl learner`)
         master, ifname = "127.0.0.1", base.get("GLOO_SOCKET_IFNAME", "lo")
