@@ -84,7 +84,7 @@ CORES_WHEN_UP_ENV = "ASYNCRL_CORES_WHEN_UP"  # ... and pins itself to these core
 def pin_threads(cores: set[int]) -> None:
     """Pin every thread of this process to ``cores`` (nothing for an empty set); threads and processes it
     starts later inherit the pin. ``os.sched_setaffinity(0, ...)`` would pin the calling thread only."""
-    if not cores:
+    if not cores or not hasattr(os, "sched_setaffinity"):  # Linux only (macOS has none)
         return
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
@@ -185,7 +185,7 @@ class Child:
         # never an ignored Ctrl-C (a launcher started as a background job's): exec would keep it ignored
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         lower_priority(nice)
-        if self.cpus:
+        if self.cpus and hasattr(os, "sched_setaffinity"):  # Linux only (macOS has none)
             os.sched_setaffinity(0, self.cpus)
 
     def start(self) -> None:
