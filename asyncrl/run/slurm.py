@@ -34,7 +34,9 @@ from asyncrl.run.slurm_scripts import COMMON, JOIN, LEARNERS, MAIN, REWARD_BLOCK
 EXIT_WAIT_S = 60  # generators leave within seconds of the run's stop; a minute covers a loaded node
 START_TIMEOUT_S = 1800  # the head's first start may build the demo model or load a large one from disk
 GENERATOR_RESTARTS = 3
-PORT_RANGE = (20000, 40000)  # the head's Redis port when run.redis_port is 0: above most services' ports
+# the head's Redis port when run.redis_port is 0: above most services' ports and below Linux's ephemeral range
+# (32768-60999), where any outgoing connection may take the port between its pick and the head's bind
+PORT_RANGE = (20000, 32768)
 COMMENT_TAG = "asyncrl"  # job comment: asyncrl;run=<name>;port=<port>;dir=<run dir>, read by --join
 
 
