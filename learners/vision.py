@@ -43,9 +43,7 @@ class BatchImages:
         inputs = self.vision.pixels(shown)  # once per group: its samples all show the same images
         if any(v.shape[0] != len(shown) for v in inputs.values()):
             shapes = {k: tuple(v.shape) for k, v in inputs.items()}
-            raise UserError(
-                f"this model's image processor does not give one row per prompt ({shapes}): not supported"
-            )
+            raise UserError(f"this model's image processor does not give one row per prompt ({shapes}): not supported")
         samples = torch.tensor([len(g.samples) for g in groups])
         return {IMAGE_PREFIX + k: v.repeat_interleave(samples, dim=0) for k, v in inputs.items()}
 
