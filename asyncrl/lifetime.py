@@ -81,6 +81,12 @@ NICE_WHEN_UP_ENV = "ASYNCRL_NICE_WHEN_UP"  # a generator started at full priorit
 CORES_WHEN_UP_ENV = "ASYNCRL_CORES_WHEN_UP"  # ... and pins itself to these cores ("0,1"), started on any
 
 
+def pin_when_up() -> None:
+    """Pin this process to the cores its launcher named in ``CORES_WHEN_UP_ENV`` (:attr:`Child.cpus_when_up`),
+    if any, and drop the variable (its own children inherit the pin, not the variable)."""
+    pin_threads({int(c) for c in os.environ.pop(CORES_WHEN_UP_ENV, "").split(",") if c})
+
+
 def pin_threads(cores: set[int]) -> None:
     """Pin every thread of this process to ``cores`` (nothing for an empty set); threads and processes it
     starts later inherit the pin. ``os.sched_setaffinity(0, ...)`` would pin the calling thread only."""

@@ -21,7 +21,7 @@ from asyncrl.config import Config, load_config
 from asyncrl.control import RunControl, connect
 from asyncrl.generators.engine import setup as setup_engine
 from asyncrl.generators.generator import Generator
-from asyncrl.lifetime import CORES_WHEN_UP_ENV, NICE_WHEN_UP_ENV, lower_priority, pin_threads
+from asyncrl.lifetime import NICE_WHEN_UP_ENV, lower_priority, pin_when_up
 from asyncrl.observe.metrics import setup_logging
 from asyncrl.secret import read_secret
 from asyncrl.weights import setup_subscriber
@@ -59,7 +59,7 @@ def serve(cfg: Config, ident: str, url: str, prefix: str, incarnation: int = 0) 
     g = cfg.generator
     engine = setup_engine(g.engine, cfg.model, max(64, g.episodes_in_flight), seed, max_model_len=g.max_model_len)
     lower_priority(int(os.environ.pop(NICE_WHEN_UP_ENV, "0")))  # started at full priority (asyncrl.lifetime.Child)
-    pin_threads({int(c) for c in os.environ.pop(CORES_WHEN_UP_ENV, "").split(",") if c})  # ... and on any core
+    pin_when_up()  # ... and on any core
     address = control.wait_meta("weights_address", timeout_s=600)
     subscriber = setup_subscriber(cfg.weights, address, subscriber_id=f"generator-{ident}", secret=read_secret())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

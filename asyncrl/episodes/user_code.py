@@ -77,7 +77,10 @@ class Batch:
     @classmethod
     def of(cls, pool: WorkerPool, kind: str) -> Batch:
         """The one Batch of ``pool`` and ``kind``: every episode's caller shares it."""
-        return cls._ALL.setdefault(pool, {}).setdefault(kind, cls(pool, kind))
+        batches = cls._ALL.setdefault(pool, {})
+        if kind not in batches:  # made once, not at every episode's caller
+            batches[kind] = cls(pool, kind)
+        return batches[kind]
 
     def __init__(self, pool: WorkerPool, kind: str, slow_s: float = SLOW_S):
         self.pool, self.kind, self.slow_s = pool, kind, slow_s

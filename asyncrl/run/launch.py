@@ -207,8 +207,9 @@ class Launcher:
             # pinned once up, by itself (vLLM's binding, engine_env, pins no thread in-process): pinned from the
             # start, its start-up would wait for its core while the other is free (+0.6 s to the first step)
             pin = {core} if self.pin_cpus else None
-            child = Child("generator", i, cmd, env, log_path, nice=self.generator_nice, nice_when_up=i == 0)
-            child.cpus_when_up = pin
+            child = Child(
+                "generator", i, cmd, env, log_path, nice=self.generator_nice, nice_when_up=i == 0, cpus_when_up=pin
+            )
             self.children.append(child)
         # all at once: the other generators' start-ups (niced) then come up in the CPU the learners' leave them,
         # by about the 18th of the demo's 40 steps; held back until the learners were ready (before 2026-12-04),

@@ -123,10 +123,10 @@ def test_spawn_pins_each_child_to_its_core_and_a_real_generator_pins_every_threa
     monkeypatch.undo()
     core = max(os.sched_getaffinity(0))
     code = (
-        "import os, threading; from asyncrl.lifetime import CORES_WHEN_UP_ENV, pin_threads; "
+        "import os, threading; from asyncrl.lifetime import pin_when_up; "
         "e = threading.Event(); t = threading.Thread(target=e.wait); t.start(); "
         "print(len(os.sched_getaffinity(0))); "
-        "pin_threads({int(c) for c in os.environ[CORES_WHEN_UP_ENV].split(',')}); "
+        "pin_when_up(); "
         "print(sorted({c for tid in os.listdir('/proc/self/task') for c in os.sched_getaffinity(int(tid))})); e.set()"
     )
     child = Child("generator", 0, [sys.executable, "-c", code], dict(os.environ), tmp_path / "pinned.log")
