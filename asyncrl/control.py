@@ -4,6 +4,8 @@ Every process of a run talks to the same Redis (the buffer's); the keys are in `
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import secrets
 import time
@@ -16,6 +18,7 @@ HEARTBEAT_TTL_S = 30  # learners: one heartbeat per step
 # A generator renews its lease every tick (0.2 s; its engine runs on another thread): one not renewed
 # for this long is dead or cut off, and its admission slots go back to the run.
 MEMBER_TTL_S = 10.0
+SEEN_EMITS = 4096  # a retried emit lands within seconds of its first copy: far fewer entries apart
 
 # KEYS: leases, members, hb, seen. ARGV: id, token, ttl, beat JSON, take (1: join, taking the lease),
 # then the beat's field/value pairs.
@@ -90,6 +93,10 @@ class RunControl:
         self._leave = client.register_script(_LEAVE)
         self._reap = client.register_script(_REAP)
         self.bad_metrics = 0  # metric entries read_metrics skipped (not a JSON object)
+        self.repeated_metrics = 0  # entries read_metrics skipped as a retried emit's second copy
+        self._token = secrets.token_hex(6)  # this client's emits and claims, told from another's
+        self._emits = itertools.count()
+        self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # recent emits' ids
 
     # -- metadata ---------------------------------------------------------------------------------
     def set_meta(self, field: str, value: str | int | float) -> None:
@@ -111,8 +118,10 @@ class RunControl:
         return value
 
     def claim_once(self, name: str) -> bool:
-        """True for exactly one caller across all processes."""
-        return bool(self.r.set(self.keys.claim(name), 1, nx=True))
+        """True for exactly one caller across all processes. The claim holds the caller's token: a SET
+        retried after a restarting server ran it but lost the reply finds it there, and is still a win."""
+        key = self.keys.claim(name)
+        return bool(self.r.set(key, self._token, nx=True)) or self.r.get(key) == self._token.encode()
 
     def forget_eval_claims(self, keep: set[int]) -> int:
         """Drop the claims ``eval:<point>`` of eval points not in ``keep`` (evaluations that never reported:
@@ -215,15 +224,28 @@ class RunControl:
 
     # -- metrics ----------------------------------------------------------------------------------
     def emit(self, record: dict) -> None:
-        self.r.xadd(self.keys.metrics, {"json": json.dumps(record)})
+        """One record to the metrics stream, with an id of its own (``once``): the client retries an XADD
+        whose reply a dying server lost, which may have run (the AOF syncs every write), and the reader
+        keeps the first of two entries with one id."""
+        once = f"{self._token}-{next(self._emits)}"
+        self.r.xadd(self.keys.metrics, {"json": json.dumps(record), "once": once})
 
     def read_metrics(self, after: str = "0-0", count: int = 1000) -> tuple[str, list[dict]]:
         """(the last entry id read, the records after ``after``); entries that are not a JSON object
         in a ``json`` field are skipped and counted in ``bad_metrics``: one bad writer must not stop
-        the launcher's progress."""
+        the launcher's progress. An entry whose ``once`` id came before (a retried emit) is skipped and
+        counted in ``repeated_metrics``."""
         entries = self.r.xrange(self.keys.metrics, min=f"({after}" if after != "0-0" else "-", count=count)
         records = []
         for _, fields in entries:
+            once = fields.get(b"once")
+            if once is not None:
+                if once in self._seen:
+                    self.repeated_metrics += 1
+                    continue
+                self._seen[once] = None
+                if len(self._seen) > SEEN_EMITS:
+                    self._seen.popitem(last=False)
             record = _json_object(fields.get(b"json"))
             if record is None:
                 self.bad_metrics += 1

@@ -5,12 +5,16 @@ writes) neither break ``pushed = outcomes + in buffer`` nor loosen the admission
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from unittest import mock
 
 import msgpack
 import pytest
+import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from redis.connection import Connection
 from test_consumer import group, make, never_stop, push
 
 from asyncrl.buffers.base import live_groups, lost_groups
@@ -84,6 +88,48 @@ def test_a_bad_metrics_record_is_skipped_and_counted(redis_server):
     _, records = control.read_metrics()
     assert [r["learner/version"] for r in records] == [1, 2]
     assert control.bad_metrics == 3
+
+
+@contextlib.contextmanager
+def replies_lost(commands: set[str]):
+    """The reply to the first of ``commands`` is lost after the server ran it (the connection drops at the
+    read, as when a redis-server is killed between the two): redis-py's retry then sends it again."""
+    real, lost = Connection.read_response, []
+
+    def read_response(self, *args, **kwargs):
+        if self._asyncrl_last in commands and self._asyncrl_last not in lost:
+            lost.append(self._asyncrl_last)
+            self.disconnect()
+            raise redis.ConnectionError("reply lost")
+        return real(self, *args, **kwargs)
+
+    real_send = Connection.send_command
+
+    def send_command(self, *args, **kwargs):
+        self._asyncrl_last = str(args[0]).upper()
+        return real_send(self, *args, **kwargs)
+
+    with (
+        mock.patch.object(Connection, "read_response", read_response),
+        mock.patch.object(Connection, "send_command", send_command),
+    ):
+        yield lost
+
+
+def test_a_retried_emit_or_claim_counts_once(redis_server):
+    """Every command of a RunControl is retried on a connection error; an XADD or SET NX whose reply was lost
+    had run: the metrics reader keeps one copy, and the claim is still the claimant's."""
+    control = RunControl(connect(redis_server.url), run_prefix(f"metrics-{uuid.uuid4().hex[:8]}"))
+    other = RunControl(connect(redis_server.url), control.prefix)
+    with replies_lost({"XADD", "SET"}) as lost:
+        control.emit({"learner/version": 1})
+        assert control.claim_once("eval:1")
+    assert lost == ["XADD", "SET"]
+    control.emit({"learner/version": 2})
+    assert control.r.xlen(control.keys.metrics) == 3  # the retried XADD ran twice
+    _, records = other.read_metrics()
+    assert [r["learner/version"] for r in records] == [1, 2] and other.repeated_metrics == 1
+    assert not other.claim_once("eval:1")
 
 
 def test_records_of_the_wrong_shape_do_not_stop_the_progress(redis_server, tmp_path):
