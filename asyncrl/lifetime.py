@@ -4,7 +4,8 @@
   fork and exec, for SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``), so ``kill -9`` of the
   launcher ends them too: redis-server flushes its AOF on SIGTERM, learners and generators leave
   whatever they had not committed, which a resumed or new run redoes. A child whose launcher died
-  before the request took effect exits at once.
+  before the request took effect exits at once. (A generator forked by the launch's fork server asks
+  once it is the launcher's child: ``asyncrl.run.forkserver``.)
 - ``run.json`` names the pids of the launch that owns a run directory; a relaunch of the same
   directory refuses while any of them still runs (:func:`live_processes`).
 - A :class:`Child` is one learner rank or generator as the launcher starts it (own session, log file,
@@ -173,7 +174,7 @@ class Child:
     cmd: list[str]
     env: dict[str, str]
     log_path: Path
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | None = None  # or a forked one, alike (asyncrl.run.forkserver.Forked)
     incarnation: int = 0
 
     nice: int = 0
@@ -185,6 +186,8 @@ class Child:
     nice_when_up: bool = False
     # pinned to these cores once its engine is up (CORES_WHEN_UP_ENV): its start-up takes whichever core is free
     cpus_when_up: set[int] | None = None
+    # where it is forked from when it can be (asyncrl.run.forkserver.ForkServer), instead of a fresh interpreter
+    forks: object | None = None
 
     def _preexec(self, nice: int) -> None:
         die_with(self.launcher_pid)()
@@ -202,16 +205,17 @@ class Child:
             env, nice = {**env, NICE_WHEN_UP_ENV: str(nice)}, 0
         if self.cpus_when_up:
             env = {**env, CORES_WHEN_UP_ENV: ",".join(map(str, sorted(self.cpus_when_up)))}
-        self.proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=functools.partial(self._preexec, nice),
-        )
-        log.close()
+        with log:
+            forked = self.forks.spawn(cmd, env, log, nice, self.cpus) if self.forks is not None else None
+            self.proc = forked or subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=functools.partial(self._preexec, nice),
+            )
 
     @property
     def name(self) -> str:

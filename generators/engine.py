@@ -144,3 +144,15 @@ def setup(
     from asyncrl.generators.hf_engine import HfEngine
 
     return HfEngine(model, seed, max_model_len=max_model_len)
+
+
+def preload_modules(engine: VllmEngineConfig | HfEngineConfig, gpu: bool) -> list[str]:
+    """What a generator imports before its engine serves, for a fork server to import once
+    (``asyncrl.run.forkserver``): nothing that starts a thread or touches a GPU when imported. On CPU, vLLM's
+    CPU worker and attention too (0.7 CPU-s more, imported while the engine starts)."""
+    if engine.type != "vllm":
+        return ["asyncrl.generators.worker", "asyncrl.generators.hf_engine"]
+    modules = ["asyncrl.generators.worker", "asyncrl.generators.vllm_engine", "vllm.entrypoints.llm"]
+    if not gpu:
+        modules += ["vllm.v1.worker.cpu_worker", "vllm.v1.attention.backends.cpu_attn"]
+    return modules

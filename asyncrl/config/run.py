@@ -52,6 +52,12 @@ class RunConfig(Section):
         "r on core r), and run generators at generator_nice, so learner collectives never wait behind sampling.",
     )
     generator_nice: int = Field(10, ge=0, le=19, description="Niceness of generators under cpu_scheduling.")
+    fork_generators: bool = Field(
+        True,
+        description="Fork a launch's generators from one process that imported torch, transformers and vLLM "
+        "once (Linux; asyncrl.run.forkserver), instead of starting each, and each restart, as a new interpreter "
+        "that imports them again (~6 CPU-seconds a generator on CPU).",
+    )
     host: str = Field(
         "127.0.0.1",
         min_length=1,

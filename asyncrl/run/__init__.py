@@ -7,6 +7,7 @@
 * ``preflight``: what is checked before anything starts (``--dry-run``), a vision-language run's in
   ``vision_checks``; ``resume``: ``--resume``.
 * ``gpus``: which GPU each process of a local launch gets, and the layouts NCCL refuses.
+* ``forkserver``: a local launch's generators forked from one process that imported their modules once.
 * ``disk``: a full disk ends a run in one line with its summary, and the next checkpoint's room is
   watched; ``samples``: the rotating ``samples.jsonl`` of rendered prompts and completions.
 

@@ -45,6 +45,7 @@ from asyncrl.lifetime import Child, die_with, exit_soon, jemalloc_env, live_proc
 from asyncrl.net import interface_of, is_loopback, url_address
 from asyncrl.observe.metrics import DiskFull
 from asyncrl.run.disk import Reserve, check_full_disk, run_error
+from asyncrl.run.forkserver import ForkServer, generators_fork_server
 from asyncrl.run.gpus import GpuPlan, has_driver, plan_gpus, visible_gpus
 from asyncrl.run.preflight import check_prompt_lengths, external_redis_url, in_background, preflight
 from asyncrl.run.resume import ResumePoint, reset_for_resume
@@ -87,6 +88,7 @@ class Launcher:
         self.learner_master = ""  # host:port of the learners' rendezvous
         self.fleet: set[str] = set()  # the live generators, as of the last look
         self.reserve = Reserve(self.run_dir)  # room for the end of a run on a full disk
+        self.forks: ForkServer | None = None  # where generators are forked from (asyncrl.run.forkserver)
 
     # -- set-up ------------------------------------------------------------------------------------
     def prepare_run_dir(self) -> Path:
@@ -207,8 +209,9 @@ class Launcher:
             # pinned once up, by itself (vLLM's binding, engine_env, pins no thread in-process): pinned from the
             # start, its start-up would wait for its core while the other is free (+0.6 s to the first step)
             pin = {core} if self.pin_cpus else None
+            nice, forks = self.generator_nice, self.forks
             child = Child(
-                "generator", i, cmd, env, log_path, nice=self.generator_nice, nice_when_up=i == 0, cpus_when_up=pin
+                "generator", i, cmd, env, log_path, nice=nice, nice_when_up=i == 0, cpus_when_up=pin, forks=forks
             )
             self.children.append(child)
         # all at once: the other generators' start-ups (niced) then come up in the CPU the learners' leave them,
@@ -331,6 +334,8 @@ class Launcher:
         atomically: ``asyncrl status``, a resume, a joining fleet member and a relaunch read it while the run
         goes on, and a truncated file in between is no run at all to them."""
         pids = {c.name: c.proc.pid for c in self.children if c.proc is not None}
+        if self.forks is not None and self.forks.pid is not None:
+            pids["forkserver"] = self.forks.pid
         write_atomic(self.run_dir / "run.json", json.dumps({**self.run_info, "pids": pids}, indent=2) + "\n")
 
     def stop_children(self, control: RunControl | None, reason: str) -> None:
@@ -373,6 +378,7 @@ class Launcher:
         reason, code = "interrupted", 130
         previous = lifetime.stop_on_signals()  # Ctrl-C: KeyboardInterrupt whatever was inherited; SIGTERM too
         try:
+            self.forks = generators_fork_server(cfg, bool(self.gpus.generators), self.run_dir / "logs", self.log)
             self.secret = self.take_secret()
             url = self.start_redis()
             from asyncrl.buffers import run_prefix
@@ -439,6 +445,8 @@ class Launcher:
         reserve (a full disk's room for what follows), log the last records and write the summary (or, if
         even that fails, print it); redis-server last."""
         self.stop_children(control, reason)
+        if self.forks is not None:
+            self.forks.close()
         self.remove_uncommitted()
         self.reserve.release()
         if control is not None:
