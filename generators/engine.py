@@ -148,11 +148,17 @@ def setup(
 
 def preload_modules(engine: VllmEngineConfig | HfEngineConfig, gpu: bool) -> list[str]:
     """What a generator imports before its engine serves, for a fork server to import once
-    (``asyncrl.run.forkserver``): nothing that starts a thread or touches a GPU when imported. On CPU, vLLM's
-    CPU worker and attention too (0.7 CPU-s more, imported while the engine starts)."""
+    (``asyncrl.run.forkserver``): nothing that starts a thread or touches a GPU when imported. With GPUs, torch
+    and transformers only: vLLM resolves its platform (NVML) as it imports, which a forked child must do itself
+    (not yet measured on a GPU). On CPU, vLLM with its CPU worker and attention (0.7 CPU-s more than ``vllm``)."""
+    if gpu:
+        return ["asyncrl.generators.worker"]
     if engine.type != "vllm":
         return ["asyncrl.generators.worker", "asyncrl.generators.hf_engine"]
-    modules = ["asyncrl.generators.worker", "asyncrl.generators.vllm_engine", "vllm.entrypoints.llm"]
-    if not gpu:
-        modules += ["vllm.v1.worker.cpu_worker", "vllm.v1.attention.backends.cpu_attn"]
-    return modules
+    return [
+        "asyncrl.generators.worker",
+        "asyncrl.generators.vllm_engine",
+        "vllm.entrypoints.llm",
+        "vllm.v1.worker.cpu_worker",
+        "vllm.v1.attention.backends.cpu_attn",
+    ]

@@ -145,3 +145,18 @@ def test_without_a_server_the_child_starts_as_its_own_interpreter(tmp_path):
     child.forks = killed
     child.start()
     assert isinstance(child.proc, subprocess.Popen) and child.proc.wait(60) == 5 and len(said) == 2
+
+
+@pytest.mark.vllm
+def test_what_the_generators_server_imports_starts_no_python_thread():
+    """A thread running in the server at a fork would be missing in the child with whatever lock it held."""
+    pytest.importorskip("vllm")
+    from asyncrl.config import VllmEngineConfig
+    from asyncrl.generators.engine import preload_modules
+
+    modules = preload_modules(VllmEngineConfig(), gpu=False)
+    code = f"import importlib, threading\nfor m in {modules!r}: importlib.import_module(m)\n"
+    code += "print(threading.active_count())"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split()[-1] == "1", out.stdout + out.stderr
