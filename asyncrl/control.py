@@ -48,6 +48,13 @@ end
 return 0
 """
 
+# KEYS: histogram, once mark. ARGV: field, increment, field, increment, ... Applied once per mark (kept an hour).
+_COUNT_ONCE = """
+if not redis.call('SET', KEYS[2], 1, 'NX', 'EX', 3600) then return 0 end
+for i = 1, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+
 # KEYS: members, leases, held. Returns {id, groups taken, ...} of every expired lease.
 _REAP = """
 local t = redis.call('TIME')
@@ -92,6 +99,7 @@ class RunControl:
         self._renew = client.register_script(_RENEW)
         self._leave = client.register_script(_LEAVE)
         self._reap = client.register_script(_REAP)
+        self._count_once = client.register_script(_COUNT_ONCE)
         self.bad_metrics = 0  # metric entries read_metrics skipped (not a JSON object)
         self.repeated_metrics = 0  # entries read_metrics skipped as a retried emit's second copy
         self._token = secrets.token_hex(6)  # this client's emits and claims, told from another's
@@ -203,14 +211,14 @@ class RunControl:
 
     # -- staleness of trained groups ----------------------------------------------------------------
     def count_staleness(self, values: list[int]) -> None:
+        """Add trained groups' staleness to the run's histogram, once: a retry of a call whose reply a
+        dying server lost finds its ``once:<token>`` mark and adds nothing."""
         counts: dict[int, int] = {}
         for v in values:
             counts[int(v)] = counts.get(int(v), 0) + 1
         if counts:
-            with self.r.pipeline(transaction=False) as p:
-                for v, n in counts.items():
-                    p.hincrby(self.keys.staleness, str(v), n)
-                p.execute()
+            once = self.keys.once(f"staleness-{self._token}-{next(self._emits)}")
+            self._count_once(keys=[self.keys.staleness, once], args=[x for kv in counts.items() for x in kv])
 
     def staleness_histogram(self) -> dict[int, int]:
         return {int(k): int(v) for k, v in self.r.hgetall(self.keys.staleness).items()}

@@ -17,7 +17,8 @@ key                 type                  contents
 ``P unacked``       hash                  group id -> 1 (pushed) or the id of the entry that claimed it
                                           when first delivered, until acknowledged: what tells a pushed
                                           entry from a foreign one
-``P once:<token>``  string, expires       the answer of an admission or release, for its retries
+``P once:<token>``  string, expires       the answer of an admission or release, or the mark of a
+                                          staleness count, for their retries
 ``P version``       string                the learner's policy version (absent: 0)
 ``P meta``          hash                  ``weights_address``, ``final_version``, ...: written once;
                                           ``tied`` (the model's tied names, JSON), ``probe:<v>`` (the

@@ -116,15 +116,18 @@ def replies_lost(commands: set[str]):
         yield lost
 
 
-def test_a_retried_emit_or_claim_counts_once(redis_server):
-    """Every command of a RunControl is retried on a connection error; an XADD or SET NX whose reply was lost
-    had run: the metrics reader keeps one copy, and the claim is still the claimant's."""
+def test_a_retried_emit_claim_or_count_counts_once(redis_server):
+    """Every command of a RunControl is retried on a connection error; an XADD, SET NX or staleness count whose
+    reply was lost had run: the metrics reader keeps one copy, the claim is still the claimant's, the histogram
+    counts once."""
     control = RunControl(connect(redis_server.url), run_prefix(f"metrics-{uuid.uuid4().hex[:8]}"))
     other = RunControl(connect(redis_server.url), control.prefix)
-    with replies_lost({"XADD", "SET"}) as lost:
+    with replies_lost({"XADD", "SET", "EVALSHA"}) as lost:
         control.emit({"learner/version": 1})
         assert control.claim_once("eval:1")
-    assert lost == ["XADD", "SET"]
+        control.count_staleness([0, 0, 1])
+    assert lost == ["XADD", "SET", "EVALSHA"]
+    assert control.staleness_histogram() == {0: 2, 1: 1}, "a retried count adds once"
     control.emit({"learner/version": 2})
     assert control.r.xlen(control.keys.metrics) == 3  # the retried XADD ran twice
     _, records = other.read_metrics()
