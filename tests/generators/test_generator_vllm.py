@@ -303,9 +303,44 @@ def test_a_stop_string_ends_the_turn_with_its_token(engine, tiny_model_dir):
     assert tokens == free[:cut] and reason == "stop"
 
 
+def reload_path(engine, in_place: bool) -> None:
+    """The worker's reload from now on: the direct copy (``reload_in_place``) or vLLM's own."""
+    engine.llm.collective_rpc(lambda wrapper: setattr(wrapper.worker, "_asyncrl_in_place", in_place))
+
+
+def test_a_dense_model_reloads_in_place_to_the_bit_of_vllms_reload(engine, tiny_model_dir):
+    """The demo-sized Llama on CPU loads each version by the direct copy (its fused qkv and gate-up weights
+    joined, each layer's oneDNN kernel made again); its log-probs equal vLLM's own reload's exactly, either
+    way round, and the learner's."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.learners.worker import probe_logprobs
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    torch.manual_seed(5)
+    states = [{k: v + 0.05 * torch.randn_like(v) for k, v in base.state_dict().items()} for _ in range(2)]
+    ids = list(range(3, 40))
+    scores = {}
+    try:
+        for path in (True, False, True):
+            reload_path(engine, path)
+            for i, state in enumerate(states):
+                assert engine.llm.collective_rpc("asyncrl_reload", args=(state,)) == [path]
+                engine.llm.reset_prefix_cache()
+                scores.setdefault(i, []).append(engine.score(ids))
+    finally:
+        reload_path(engine, None)  # decided again at the next load
+    for i, state in enumerate(states):
+        assert scores[i][0] == scores[i][1] == scores[i][2]
+        base.load_state_dict(state)
+        assert scores[i][0] == pytest.approx(probe_logprobs(base, ids), abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(scores[0][0], scores[1][0], strict=True)) > 0.1  # each version applied
+
+
 def test_a_reload_does_not_warn_of_the_rotary_cache(engine, tiny_model_dir):
-    """vLLM warns "RotaryEmbedding: Failed to load weights" at every reload (its cos/sin cache is no
-    checkpoint's): harmless, and dropped at its logger; every other record of that logger passes."""
+    """vLLM's own reload warns "RotaryEmbedding: Failed to load weights" at every reload (its cos/sin cache is
+    no checkpoint's): harmless, and dropped at its logger; every other record of that logger passes. (The
+    direct copy, a dense model's on CPU, says nothing.)"""
     import logging
 
     from transformers import AutoModelForCausalLM
@@ -319,10 +354,12 @@ def test_a_reload_does_not_warn_of_the_rotary_cache(engine, tiny_model_dir):
     logger.addHandler(handler)
     note = next(f for f in logger.filters if isinstance(f, RotaryReloadNote))
     try:
+        reload_path(engine, False)
         engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict())
         assert note.explained  # vLLM did say it: the filter took it
         logger.warning("another warning")
     finally:
+        reload_path(engine, None)
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["another warning"]
 
