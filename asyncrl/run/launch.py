@@ -69,6 +69,8 @@ def core_plan(cores: list[int], learners: int, generators: int) -> tuple[list[in
 
 
 class Launcher:
+    forks_generators = True  # from a fork server (asyncrl.run.forkserver) where run.fork_generators allows
+
     def __init__(self, cfg: Config, redis_url: str | None = None, console=None, resume: ResumePoint | None = None):
         self.cfg = cfg
         self.resume = resume  # continue the run in cfg.run_dir (asyncrl.run.resume) instead of starting one
@@ -209,10 +211,9 @@ class Launcher:
             # pinned once up, by itself (vLLM's binding, engine_env, pins no thread in-process): pinned from the
             # start, its start-up would wait for its core while the other is free (+0.6 s to the first step)
             pin = {core} if self.pin_cpus else None
-            nice, forks = self.generator_nice, self.forks
-            child = Child(
-                "generator", i, cmd, env, log_path, nice=nice, nice_when_up=i == 0, cpus_when_up=pin, forks=forks
-            )
+            nice = self.generator_nice
+            child = Child("generator", i, cmd, env, log_path, nice=nice, nice_when_up=i == 0, cpus_when_up=pin)
+            child.forks = self.forks
             self.children.append(child)
         # all at once: the other generators' start-ups (niced) then come up in the CPU the learners' leave them,
         # by about the 18th of the demo's 40 steps; held back until the learners were ready (before 2026-12-04),
@@ -378,7 +379,8 @@ class Launcher:
         reason, code = "interrupted", 130
         previous = lifetime.stop_on_signals()  # Ctrl-C: KeyboardInterrupt whatever was inherited; SIGTERM too
         try:
-            self.forks = generators_fork_server(cfg, bool(self.gpus.generators), self.run_dir / "logs", self.log)
+            if self.forks_generators:
+                self.forks = generators_fork_server(cfg, bool(self.gpus.generators), self.run_dir / "logs", self.log)
             self.secret = self.take_secret()
             url = self.start_redis()
             from asyncrl.buffers import run_prefix
