@@ -36,8 +36,8 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     pytest.importorskip("deepspeed")
     out_dir = tmp_path_factory.mktemp("demo-run")
     run_dir = out_dir / "e2e-async"
-    # cpu_scheduling off: both generators start with the learners (on 2 cores the launcher would hold
-    # generator 1 back until the learners are ready, and under load it joined after version 20 of 40)
+    # cpu_scheduling off: no generator niced, so under a loaded CI machine both are up (and seen by the
+    # watcher) within the run's first versions; niced, generator 1 once came up after version 20 of 40
     cmd = demo_launch_cmd(out_dir, "e2e-async", "--generators", "2", "--learners", "2", "--max-policy-lag", "2",
                           "--set", "run.cpu_scheduling=false")  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
