@@ -71,12 +71,14 @@ class WeightReloadExtension:
         """Load a version: directly where the model allows (:func:`reload_in_place`), else with vLLM's reload.
         Which one is decided at the first load and kept (every version has the same names and shapes): the
         direct copy leaves layers vLLM's reload no longer knows. Returns whether it was the direct copy."""
-        if getattr(self, "_asyncrl_in_place", None) is None:
-            self._asyncrl_in_place = _in_place_plan(self.model_runner, tensors) is not None
-        if self._asyncrl_in_place:
-            if not reload_in_place(self.model_runner, tensors):
+        decided = getattr(self, "_asyncrl_in_place", None)
+        if decided is not False:
+            done = reload_in_place(self.model_runner, tensors)
+            if decided and not done:
                 raise RuntimeError("a version's tensors no longer match the model's weights")
-            return True
+            self._asyncrl_in_place = done
+            if done:
+                return True
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
         repack_cpu_experts(self.model_runner.get_model())
         return False

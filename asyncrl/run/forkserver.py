@@ -222,12 +222,16 @@ def _subreaper(on: bool) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
+def _stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command's name: state, ppid, ... (proc(5)'s 3rd on)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _parent_of(pid: int) -> int | None:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(_stat(pid)[1])
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # after "(comm)": state, ppid
 
 
 # -- the server's side -----------------------------------------------------------------------------
@@ -315,7 +319,7 @@ def become(request: dict, fds: list[int]) -> None:
 def retitle(argv: list[str]) -> None:
     """What ``ps`` shows of this process: ``argv``, written over the server's command line (in place, cut to
     its length, as ``setproctitle`` does), so a forked generator reads as the command it runs."""
-    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat("self")
     start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: fields 48 and 49 of proc(5)
     title = "\0".join(argv).encode()[: end - start - 1]
     ctypes.memmove(start, title.ljust(end - start, b"\0"), end - start)
