@@ -79,6 +79,7 @@ class WeightReloadExtension:
             self._asyncrl_in_place = done
             if done:
                 return True
+        plain_gemm_to_onednn(self.model_runner.get_model())  # a direct copy's layers as vLLM's reload knows them
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
         repack_cpu_experts(self.model_runner.get_model())
         return False
@@ -103,15 +104,25 @@ class WeightReloadExtension:
             self._asyncrl_routes.setdefault(layer, []).append(ids.detach().cpu())
 
 
+# A linear layer with at most this many weights runs as torch's plain ``F.linear`` on its own weight once
+# loaded directly: measured on one core at 1-64 rows (scripts/bench/cpu_gemm.py), oneDNN's packed kernel is no
+# faster there (M=1: 18 against 8 us; M=32: 50 against 46), and every version's new kernel costs ~0.4 ms to
+# make plus ~0.7 ms per batch size it then meets first, per layer. Larger layers (SmolLM2's smallest, 576 x 576,
+# is above) keep oneDNN, which wins at some sizes (1536 x 576 at M=8: 228 against 287 us).
+PLAIN_GEMM_MAX_WEIGHTS = 1 << 18
+
+
 def reload_in_place(runner, tensors: dict[str, torch.Tensor]) -> bool:
     """Load a version's tensors (HF names) into a dense, unquantized model on CPU directly; False (nothing
     changed) where the model is not one: then vLLM's general reload runs. vLLM's in-place reload wraps every
     layer's loaders, rebuilds each layer from meta tensors and counts the bytes each copy moves: 10.8 ms a
-    version of the demo's 2-layer model against 4.3 here (``load_weights``, in-process). Here each layer's
-    weight (a fused one, e.g. ``qkv_proj``, from its parts in ``packed_modules_mapping``'s order) is put in
-    place or copied and the layer's CPU kernel made again from it (``process_weights_after_loading``: oneDNN
-    keeps its own packed copy of a linear layer's weight and drops the weight), as the first load did; the
-    other parameters (norms) are copied. The same log-probs as vLLM's reload, to the bit (tested)."""
+    version of the demo's 2-layer model, where this copies its 2 MB in 0.5 ms. Each layer's weight is copied
+    into place (a fused one, e.g. ``qkv_proj``, from its parts in ``packed_modules_mapping``'s order), the
+    other parameters (norms) too. A small layer (:data:`PLAIN_GEMM_MAX_WEIGHTS`) then runs ``F.linear`` on that
+    weight, so nothing else changes at a version; a large one's oneDNN kernel, which keeps its own packed copy
+    and drops the weight, is made again from the new weight (``process_weights_after_loading``), as the first
+    load did. The same log-probs as vLLM's reload (tested: to the bit where oneDNN runs, within float rounding
+    where ``F.linear`` does)."""
     plan = _in_place_plan(runner, tensors)
     if plan is None:
         return False
@@ -119,22 +130,38 @@ def reload_in_place(runner, tensors: dict[str, torch.Tensor]) -> bool:
     with torch.no_grad():
         for name, param in plain.items():
             param.copy_(tensors[name])
-        for module, value in layers:
-            if value is None:  # tied to the embedding, copied with it
+        for module, keys in layers:
+            if keys is None:  # tied to the embedding, copied with it
                 continue
-            if module.weight.numel():  # kept (an embedding's, its vocabulary padded): copied into it
-                module.weight[: value.shape[0]].copy_(value)
-            else:
-                module.weight = torch.nn.Parameter(value.to(module.weight.dtype).contiguous(), requires_grad=False)
+            if module.weight.numel():  # kept (a small layer's, an embedding's): each part copied into its rows
+                row = 0
+                for key in keys:
+                    module.weight[row : row + len(tensors[key])].copy_(tensors[key])
+                    row += len(tensors[key])
+            else:  # dropped by oneDNN: a new weight of its own (the caller's tensors are not kept)
+                value = torch.cat([tensors[k].to(module.weight.dtype) for k in keys])
+                module.weight = torch.nn.Parameter(value, requires_grad=False)
         for module, _ in layers:
-            module.quant_method.process_weights_after_loading(module)
+            if module.weight.numel() <= PLAIN_GEMM_MAX_WEIGHTS:
+                module.cpu_linear = torch.nn.functional.linear  # reads the weight it is given: the live one
+            else:
+                module.quant_method.process_weights_after_loading(module)
     return True
 
 
+def plain_gemm_to_onednn(model: torch.nn.Module) -> None:
+    """The layers a direct copy left on ``F.linear`` made oneDNN's again, as vLLM's load leaves them (its reload
+    copies into what that left; only a test switches from one reload to the other)."""
+    for module in model.modules():
+        if getattr(module, "cpu_linear", None) is torch.nn.functional.linear and hasattr(module, "quant_method"):
+            module.quant_method.process_weights_after_loading(module)
+
+
 def _in_place_plan(runner, tensors: dict[str, torch.Tensor]):
-    """(the layers with their new weights, the other parameters by name) of :func:`reload_in_place`, or None
-    where it does not apply: not on CPU, LoRA, tensor parallel, a vision model, a quantized or biased layer or
-    a kernel it does not know (experts), a tensor that names no parameter, a parameter that gets none."""
+    """(the layers with the names of their new weight's parts, the other parameters by name) of
+    :func:`reload_in_place`, or None where it does not apply: not on CPU, LoRA, tensor parallel, a vision model,
+    a quantized or biased layer or a kernel it does not know (experts), a tensor that names no parameter, a
+    parameter that gets none."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.platforms import current_platform
@@ -164,10 +191,9 @@ def _in_place_plan(runner, tensors: dict[str, torch.Tensor]):
                 layers.append((module, None))
                 continue
             return None
-        value = torch.cat([tensors[k] for k in keys]) if len(keys) > 1 else tensors[keys[0]]
-        if not _fits(module, value):
+        if not _fits(module, [tensors[k] for k in keys]):
             return None
-        layers.append((module, value))
+        layers.append((module, keys))
         used.update(keys)
     plain = {n: p for n, p in model.named_parameters() if n not in owned}  # norms
     if set(tensors) - used - set(plain) or any(
@@ -177,13 +203,16 @@ def _in_place_plan(runner, tensors: dict[str, torch.Tensor]):
     return layers, plain
 
 
-def _fits(module, value: torch.Tensor) -> bool:
-    """Whether ``value`` is ``module``'s weight: its shape, or fewer rows of a kept (padded) embedding's."""
-    if module.weight.numel():
-        rows, cols = module.weight.shape
-        return value.ndim == 2 and value.shape[1] == cols and value.shape[0] <= rows
+def _fits(module, parts: list[torch.Tensor]) -> bool:
+    """Whether ``parts``, stacked, are ``module``'s weight: a linear layer's shape, or an embedding's columns
+    and at most its rows (its vocabulary is padded)."""
+    if any(p.ndim != 2 for p in parts) or len({p.shape[1] for p in parts}) != 1:
+        return False
+    rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    if type(module.quant_method).__name__ == "UnquantizedEmbeddingMethod":  # keeps its weight, rows padded
+        return cols == module.weight.shape[1] and rows <= module.weight.shape[0]
     shape = getattr(module, "output_size_per_partition", None), getattr(module, "input_size_per_partition", None)
-    return tuple(value.shape) == shape
+    return (rows, cols) == (shape if None not in shape else tuple(module.weight.shape))
 
 
 def repack_cpu_experts(model: torch.nn.Module) -> int:

@@ -13,9 +13,9 @@ from asyncrl.generators.vllm_engine import WeightReloadExtension
 
 
 class PlainParamsExtension(WeightReloadExtension):
-    """The product's worker extension plus a read-back of the parameters vLLM still holds as plain
-    tensors (embeddings, norms, head). On CPU the linear layers' weights live in opaque prepacked
-    oneDNN handles and read back as empty."""
+    """The product's worker extension plus a read-back of the parameters vLLM holds as plain tensors
+    (embeddings, norms, head, and the linear layers that run ``F.linear`` after a direct reload). On CPU the
+    other linear layers' weights live in opaque prepacked oneDNN handles and read back as empty."""
 
     def asyncrl_plain_params(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in self.model_runner.get_model().named_parameters() if p.numel()}

@@ -29,7 +29,10 @@ TEST_DEF = re.compile(r"^\s*(?:async\s+)?def\s+(test_\w+)", re.MULTILINE)
 def test_names(rev: str) -> set[str]:
     """The names of every test function under ``tests/`` at ``rev``."""
     files = subprocess.run(
-        ["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", rev, "tests"], capture_output=True, text=True, check=True
+        ["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", rev, "tests"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     names: set[str] = set()
     for path in (f for f in files if Path(f).name.startswith("test_") and f.endswith(".py")):

@@ -99,11 +99,16 @@ def test_generator_serves_the_learners_version(cfg, engine, tiny_model_dir, redi
         _, records = control.read_metrics()
         assert [r["weights/rejected"] for r in records if "weights/rejected" in r] == [1]
 
-        # every plain parameter equals the learner's bit for bit (vocab rows padded by vLLM aside)
+        # every parameter vLLM holds as a tensor equals the learner's bit for bit (vocab rows padded by vLLM
+        # aside; a fused layer's, as the small demo's layers are kept for F.linear, is its parts stacked)
         plain = engine.llm.collective_rpc("asyncrl_plain_params")[0]
         assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(plain)
+        assert "model.layers.0.self_attn.qkv_proj.weight" in plain
+        fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
         for name, value in plain.items():
-            expected = state[name]
+            parent, _, layer = name.removesuffix(".weight").rpartition(".")
+            parts = [f"{parent}.{p}.weight".lstrip(".") for p in fused.get(layer, (layer,))]
+            expected = torch.cat([state[p] for p in parts])
             assert torch.equal(value[: expected.shape[0]], expected), name
 
         # one admitted round: frames carry version 3 on every token, and log-probs match the learner
@@ -308,12 +313,24 @@ def reload_path(engine, in_place: bool) -> None:
     engine.llm.collective_rpc(lambda wrapper: setattr(wrapper.worker, "_asyncrl_in_place", in_place))
 
 
-def test_a_dense_model_reloads_in_place_to_the_bit_of_vllms_reload(engine, tiny_model_dir):
+def plain_gemm_layers(engine) -> int:
+    """How many of the engine's layers run F.linear (a direct copy's small layers)."""
+    linear = torch.nn.functional.linear
+
+    def count(wrapper) -> int:
+        return sum(getattr(m, "cpu_linear", None) is linear for m in wrapper.worker.get_model().modules())
+
+    return engine.llm.collective_rpc(count)[0]
+
+
+def test_a_dense_model_reloads_in_place_as_vllms_reload_does(engine, tiny_model_dir, monkeypatch):
     """The demo-sized Llama on CPU loads each version by the direct copy (its fused qkv and gate-up weights
-    joined, each layer's oneDNN kernel made again); its log-probs equal vLLM's own reload's exactly, either
-    way round, and the learner's."""
+    stacked from their parts). Its small layers then run F.linear on the copied weight: log-probs within float
+    rounding of vLLM's own reload, and the learner's; with every layer above the size (oneDNN's kernel made
+    again, as for larger models) equal to vLLM's reload to the bit, either way round."""
     from transformers import AutoModelForCausalLM
 
+    from asyncrl.generators import vllm_engine
     from asyncrl.learners.worker import probe_logprobs
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -321,19 +338,26 @@ def test_a_dense_model_reloads_in_place_to_the_bit_of_vllms_reload(engine, tiny_
     states = [{k: v + 0.05 * torch.randn_like(v) for k, v in base.state_dict().items()} for _ in range(2)]
     ids = list(range(3, 40))
     scores = {}
-    try:
-        for path in (True, False, True):
+    try:  # (direct?, the largest layer on F.linear)
+        for path, plain_max in ((True, None), (False, None), (True, 0), (False, None), (True, None)):
             reload_path(engine, path)
+            if plain_max is not None:
+                monkeypatch.setattr(vllm_engine, "PLAIN_GEMM_MAX_WEIGHTS", plain_max)
             for i, state in enumerate(states):
                 assert engine.llm.collective_rpc("asyncrl_reload", args=(state,)) == [path]
                 engine.llm.reset_prefix_cache()
                 scores.setdefault(i, []).append(engine.score(ids))
+            on_plain = 10 if path and plain_max is None else 0  # 2 x 4 linear layers, the embedding, the head
+            assert plain_gemm_layers(engine) == on_plain
+            monkeypatch.undo()
     finally:
         reload_path(engine, None)  # decided again at the next load
     for i, state in enumerate(states):
-        assert scores[i][0] == scores[i][1] == scores[i][2]
+        plain, vllms, onednn, vllms_again, plain_again = scores[i]
+        assert onednn == vllms == vllms_again and plain == plain_again
+        assert plain == pytest.approx(vllms, abs=1e-5)
         base.load_state_dict(state)
-        assert scores[i][0] == pytest.approx(probe_logprobs(base, ids), abs=1e-4)
+        assert plain == pytest.approx(probe_logprobs(base, ids), abs=1e-4)
     assert max(abs(a - b) for a, b in zip(scores[0][0], scores[1][0], strict=True)) > 0.1  # each version applied
 
 
