@@ -106,7 +106,7 @@ class WeightReloadExtension:
 
 # A linear layer with at most this many weights runs as torch's plain ``F.linear`` on its own weight once
 # loaded directly: measured on one core at 1-64 rows (scripts/bench/cpu_gemm.py), oneDNN's packed kernel is no
-# faster there (M=1: 18 against 8 us; M=32: 50 against 46), and every version's new kernel costs ~0.4 ms to
+# faster there (M=1: 18-22 against 7-9 us; M=32: 50-61 against 46-49), and every version's new kernel costs ~0.4 ms to
 # make plus ~0.7 ms per batch size it then meets first, per layer. Larger layers (SmolLM2's smallest, 576 x 576,
 # is above) keep oneDNN, which wins at some sizes (1536 x 576 at M=8: 228 against 287 us).
 PLAIN_GEMM_MAX_WEIGHTS = 1 << 18
@@ -116,7 +116,7 @@ def reload_in_place(runner, tensors: dict[str, torch.Tensor]) -> bool:
     """Load a version's tensors (HF names) into a dense, unquantized model on CPU directly; False (nothing
     changed) where the model is not one: then vLLM's general reload runs. vLLM's in-place reload wraps every
     layer's loaders, rebuilds each layer from meta tensors and counts the bytes each copy moves: 10.8 ms a
-    version of the demo's 2-layer model, where this copies its 2 MB in 0.5 ms. Each layer's weight is copied
+    version of the demo's 2-layer model, where this copies its 2 MB in ~1 ms. Each layer's weight is copied
     into place (a fused one, e.g. ``qkv_proj``, from its parts in ``packed_modules_mapping``'s order), the
     other parameters (norms) too. A small layer (:data:`PLAIN_GEMM_MAX_WEIGHTS`) then runs ``F.linear`` on that
     weight, so nothing else changes at a version; a large one's oneDNN kernel, which keeps its own packed copy
