@@ -144,24 +144,24 @@ def threads_and_children() -> tuple[int, int]:
 
 
 def _live(pid: str) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def _stat(pid: str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command (which may hold spaces): state, parent, ...; None
+    when the process ended meanwhile."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:  # it ended meanwhile
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"  # the state, after the command (which may hold spaces)
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
 
 
 def children_by_scan():
     """This process's live children, from every process's ``/proc/<pid>/stat`` (its parent, its state)."""
-    me = os.getpid()
+    me = str(os.getpid())
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    stat = f.read()
-            except OSError:  # it ended meanwhile
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()  # after the command, which may hold spaces
-            if fields[0] != "Z" and int(fields[1]) == me:
-                yield int(entry.name)
+        fields = _stat(entry.name) if entry.name.isdigit() else None
+        if fields is not None and fields[0] != "Z" and fields[1] == me:
+            yield int(entry.name)

@@ -209,7 +209,9 @@ def _fits(module, parts: list[torch.Tensor]) -> bool:
     if any(p.ndim != 2 for p in parts) or len({p.shape[1] for p in parts}) != 1:
         return False
     rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[1]
-    if type(module.quant_method).__name__ == "UnquantizedEmbeddingMethod":  # keeps its weight, rows padded
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    if isinstance(module.quant_method, UnquantizedEmbeddingMethod):  # keeps its weight, rows padded
         return cols == module.weight.shape[1] and rows <= module.weight.shape[0]
     shape = getattr(module, "output_size_per_partition", None), getattr(module, "input_size_per_partition", None)
     return (rows, cols) == (shape if None not in shape else tuple(module.weight.shape))
