@@ -14,6 +14,7 @@ to running requests when weights change (``asyncrl.generators.scheduler``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -62,6 +63,28 @@ def _eager_on_cpu() -> None:
     the variable once, when something (transformers) imports torch._dynamo, before any engine exists."""
     if not torch.cuda.is_available():
         torch._dynamo.config.disable = True
+
+
+def remove_rendezvous_file() -> str | None:
+    """Remove the file through which this process's engine met itself, once it is up; returns its path.
+
+    A one-process vLLM engine rendezvous through a torch ``FileStore`` at ``/tmp/vllm_dist_<uuid>``, which
+    the store removes when the process group is destroyed: a generator killed, or ending with ``os._exit``,
+    never gets there, and each of its starts left a file behind. Nothing reads it after the start (a new
+    process group would make it again, and remove it at its own end)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():  # the engine runs in a process of its own
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):  # the group's prefix stores around it
+        store = store.underlying_store
+    path = getattr(store, "path", None)
+    if not isinstance(store, dist.FileStore) or not path:
+        return None
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return path
 
 
 class WeightReloadExtension:
@@ -298,6 +321,7 @@ class VllmEngine(Engine):
         self.vision = is_vision_config(self.llm.llm_engine.model_config.hf_config)
         # a mixture of experts: its routers record the probe's expert choices (WeightReloadExtension.asyncrl_routing)
         self.moe = self.llm.collective_rpc("asyncrl_routing", args=(False,))[0] is not None
+        self.rendezvous_file = remove_rendezvous_file()
         self._parents: dict[str, str] = {}  # our id -> vLLM's internal id, for running n-sample requests
         log.info("vllm engine up")
 

@@ -254,6 +254,15 @@ def run_request(engine, prompt: list[int], sampling) -> tuple[list[int], list[fl
                 return tokens, logprobs, out.finish_reason
 
 
+def test_the_engine_leaves_no_rendezvous_file_behind(engine):
+    """vLLM's one-process engine meets itself through a file in the temp directory, which only the end of its
+    process group removes (a killed generator left one per start): gone once the engine is up, and the engine
+    works on without it (this module's tests run on the same engine after this one)."""
+    assert engine.rendezvous_file is not None and "vllm_dist_" in engine.rendezvous_file
+    assert not os.path.exists(engine.rendezvous_file)
+    assert len(engine.score([1, 2, 3, 4])) == 3
+
+
 def test_the_probe_scores_what_the_learner_computes(engine, tiny_model_dir):
     """``score`` (the weight-sync probe) gives the learner's log-probs of a sequence, at temperature 1."""
     from transformers import AutoModelForCausalLM
