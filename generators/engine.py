@@ -93,6 +93,7 @@ def fits(prompt_len: int, max_new_tokens: int, max_model_len: int) -> bool:
 class Engine(abc.ABC):
     max_model_len: int  # tokens of prompt plus completion one sequence may hold
     multi_sample: bool = False  # add_request takes sampling.n > 1 (else the scheduler adds n requests)
+    scores_alongside: bool = False  # start_score: the probe is scored in the next step, with the requests
     probe_routing: list | None = None  # a mixture of experts: the expert choices of the last score() (per layer,
     # per token, sorted), compared with the learner's (asyncrl.observe.probe.compare)
 
@@ -116,6 +117,19 @@ class Engine(abc.ABC):
         """Log-probs of ``ids[1:]`` under the served weights at temperature 1 (the weight-sync probe,
         ``asyncrl.observe.probe``); called only between steps, with no request running."""
         raise NotImplementedError(f"{type(self).__name__} cannot score a sequence")
+
+    def start_score(self, ids: list[int]) -> None:
+        """``score(ids)`` as a request of the next ``step``, alongside the running ones (where
+        ``scores_alongside``): its log-probs come from ``take_score`` after that step. ``abort_score`` drops it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score alongside requests")
+
+    def take_score(self) -> list[float] | None:
+        """The log-probs of the sequence ``start_score`` gave, once a step scored it (then None again)."""
+        return None
+
+    def abort_score(self) -> bool:
+        """Drop a score started and not taken yet; returns whether there was one."""
+        return False
 
     def bind_thread(self) -> None:  # noqa: B027 - optional hook
         """Called once on the thread that will run ``step`` (the scheduler's engine thread)."""

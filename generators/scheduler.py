@@ -10,8 +10,9 @@ sample is its own turn below, with its own tokens, log-probs and versions. The p
 engine steps:
 
   1. weights - if the ``WeightFeed`` has a newer version (and no evaluation holds the weights), apply
-               it as ``generator.engine.on_weight_update`` says (then score the feed's probe, with
-               no request in the engine: ``asyncrl.observe.probe``):
+               it as ``generator.engine.on_weight_update`` says, and score the feed's probe
+               (``asyncrl.observe.probe``) with it: in the next step, with the turns, where the engine
+               can (``Engine.scores_alongside``), else at once, alone in the engine:
                ``continue``: every running turn is aborted and added again with its prompt plus the
                tokens it has, under the new weights (a prefill rebuilds its KV cache); the tokens
                after the switch carry the new version and the new policy's log-probs; a running
@@ -82,6 +83,7 @@ class EnginePump:
         self._applying = False
         self._step: asyncio.Future | None = None
         self._waiting: WeightUpdate | None = None  # wait mode: an update deferred until turns finish
+        self._probing = False  # the probe of the served version is in the engine, scored by the next step
         self.busy_s = 0.0  # engine had requests
         self.idle_s = 0.0  # engine had none
         self.steps = 0  # engine steps, and the samples running in them (the batch), since the last report
@@ -165,7 +167,7 @@ class EnginePump:
                     for turns in self._queue:
                         self._add(turns)
                     self._queue = []
-                if not self._live:
+                if not self._live and not self._probing:
                     t0 = time.perf_counter()
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
@@ -179,11 +181,15 @@ class EnginePump:
                 outs = await self._step
                 self.busy_s += time.perf_counter() - t0
                 self._deliver(outs)
+                if self._probing and (scored := self.engine.take_score()) is not None:
+                    self._probing = False
+                    self.feed.probed(scored)
         finally:
             if self._step is not None and not self._step.done():  # never touch the engine mid-step
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self._step)
             self.engine.abort_requests(list(self._live))
+            self._drop_probe()
             for turns in [*self._queue, *self._live.values()]:
                 for turn in turns:
                     turn.done.cancel()
@@ -217,6 +223,7 @@ class EnginePump:
             self._waiting = update  # applied once the running turns finish
             return
         self._waiting = None
+        self._drop_probe()  # not scored yet (nothing ran since the last load): it would be of two versions
         running = [t for turns in self._live.values() for t in turns if not t.finished]  # split per sample
         self.engine.abort_requests(list(self._live))
         self._live = {}
@@ -226,16 +233,26 @@ class EnginePump:
             tensors = self.feed.engine_tensors(update)
             await loop.run_in_executor(self._thread, self.engine.load_weights, tensors)
             seconds = time.perf_counter() - t0
-            probe = None
-            if self.feed.probe_ids:  # nothing runs in the engine now: the probe has it to itself
+            probe, self._probing = None, bool(self.feed.probe_ids) and self.engine.scores_alongside
+            if self._probing:  # one more prompt in the next step, with the turns
+                self.engine.start_score(self.feed.probe_ids)
+            elif self.feed.probe_ids:  # nothing runs in the engine now: the probe has it to itself
                 probe = await loop.run_in_executor(self._thread, self.engine.score, self.feed.probe_ids)
-            self.feed.applied(update, seconds, probe, self.engine.probe_routing if probe is not None else None)
+            routing = self.engine.probe_routing if probe is not None else None
+            self.feed.applied(update, seconds, probe, routing, probe_to_come=self._probing)
         finally:
             self._applying = False
         for turn in running:  # only continue | abort get here with running turns
             if self.on_update == "abort":
                 turn.tokens, turn.logprobs, turn.versions = [], [], []
             self._add((turn,))
+
+    def _drop_probe(self) -> None:
+        """The served version's probe leaves the engine unscored; its record goes out without it."""
+        if self._probing:
+            self._probing = False
+            self.engine.abort_score()
+            self.feed.probed(None)
 
     def _add(self, turns: tuple[_Turn, ...]) -> None:
         """Start ``turns`` (of one prompt and sampling): fresh ones as one n-sample request where the

@@ -322,6 +322,11 @@ class VllmEngine(Engine):
         # a mixture of experts: its routers record the probe's expert choices (WeightReloadExtension.asyncrl_routing)
         self.moe = self.llm.collective_rpc("asyncrl_routing", args=(False,))[0] is not None
         self.rendezvous_file = remove_rendezvous_file()
+        # a mixture of experts' probe records its routing: a step of its own (score); a dense model's probe is
+        # one more prefill in the step after a load, not a step of its own (one step's fixed cost: ~3 ms on CPU)
+        self.scores_alongside = not self.moe
+        self._scoring: list[int] | None = None  # the ids of a started score, until a step scores them
+        self._scored: list[float] | None = None
         self._parents: dict[str, str] = {}  # our id -> vLLM's internal id, for running n-sample requests
         log.info("vllm engine up")
 
@@ -344,6 +349,10 @@ class VllmEngine(Engine):
         # one RequestOutput per child with new tokens (DELTA): ``finished`` is the whole request's,
         # a child's own end is its finish_reason
         for out in self.llm.llm_engine.step():
+            if out.request_id == SCORE_ID:
+                if out.finished:
+                    self._scored, self._scoring = _prompt_logprobs(out, self._scoring), None
+                continue
             for c in out.outputs:
                 tokens = list(c.token_ids)
                 logprobs = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], tokens, strict=True)]
@@ -357,21 +366,17 @@ class VllmEngine(Engine):
         return outs
 
     def score(self, ids: list[int]) -> list[float]:
-        from vllm import SamplingParams
-
         engine = self.llm.llm_engine
         if engine.has_unfinished_requests():
             raise RuntimeError("score() while requests are running: their outputs would be lost")
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         if self.moe:
             self.llm.collective_rpc("asyncrl_routing", args=(True,))
-        engine.add_request("probe", {"prompt_token_ids": list(ids)}, params)
+        engine.add_request(SCORE_ID, {"prompt_token_ids": list(ids)}, _score_params())
         logprobs = None
         while engine.has_unfinished_requests():
             for out in engine.step():
-                if out.finished:  # prompt_logprobs[0] is None (no context); 0: each token's own only
-                    steps = out.prompt_logprobs[1:]
-                    logprobs = [float(step[tok].logprob) for step, tok in zip(steps, ids[1:], strict=True)]
+                if out.finished:
+                    logprobs = _prompt_logprobs(out, ids)
         if self.moe:  # one prefill of the whole probe (no cached prefix: a load resets the cache) -> a row per token
             routes = self.llm.collective_rpc("asyncrl_routing", args=(False,))[0]
             whole = all(len(rows) == len(ids) for rows in routes.values())
@@ -379,6 +384,24 @@ class VllmEngine(Engine):
         if logprobs is None:
             raise RuntimeError("the probe request ended without output")
         return logprobs
+
+    def start_score(self, ids: list[int]) -> None:
+        if not self.scores_alongside:
+            raise RuntimeError("a mixture of experts' probe is scored alone (score), for its routing")
+        self.abort_score()
+        self._scoring, self._scored = list(ids), None
+        self.llm.llm_engine.add_request(SCORE_ID, {"prompt_token_ids": self._scoring}, _score_params())
+
+    def take_score(self) -> list[float] | None:
+        scored, self._scored = self._scored, None
+        return scored
+
+    def abort_score(self) -> bool:
+        had = self._scoring is not None or self._scored is not None
+        if self._scoring is not None:
+            self.llm.llm_engine.abort_request([SCORE_ID])
+        self._scoring = self._scored = None
+        return had
 
     def abort_requests(self, request_ids: list[str]) -> None:
         engine = self.llm.llm_engine
@@ -396,6 +419,21 @@ class VllmEngine(Engine):
         if self.vision:  # and image embeddings with the old tower: the scheduler's record of them goes too (the
             # reload emptied the worker's cache, and a request it still believed cached would fail "Encoder cache miss")
             self.llm.llm_engine.reset_encoder_cache()
+
+
+SCORE_ID = "asyncrl-probe"  # the probe's request (the pump's turns are "turn-<n>")
+
+
+def _score_params():
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+
+
+def _prompt_logprobs(out, ids: list[int]) -> list[float]:
+    """Each token's log-prob after the first, from a finished score request's output (its prompt_logprobs[0]
+    is None: no context; prompt_logprobs=0 gives each token's own only)."""
+    return [float(step[tok].logprob) for step, tok in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
 
 
 def _params(sampling: Sampling, max_tokens: int):

@@ -51,6 +51,7 @@ class WeightFeed:
         self._metrics = metrics
         self._heartbeat = heartbeat
         self._rejected = 0  # the subscriber's rejection count last logged
+        self._pending: dict | None = None  # the last version's record, waiting for its probe
 
     def newer(self, timeout_ms: int = 0) -> WeightUpdate | None:
         """The newest verified version newer than ``version`` (waiting up to ``timeout_ms``), or None."""
@@ -78,10 +79,18 @@ class WeightFeed:
         return retied(tensors, self.aliases)
 
     def applied(
-        self, update: WeightUpdate, seconds: float, probe: list[float] | None = None, routing: list | None = None
+        self,
+        update: WeightUpdate,
+        seconds: float,
+        probe: list[float] | None = None,
+        routing: list | None = None,
+        probe_to_come: bool = False,
     ) -> None:
         """The engine serves ``update`` now; loading it took ``seconds``; ``probe``: the engine's
-        log-probs of ``probe_ids`` with it, and ``routing`` its expert choices there (a mixture of experts)."""
+        log-probs of ``probe_ids`` with it, and ``routing`` its expert choices there (a mixture of experts);
+        ``probe_to_come``: the engine scores the probe with its next step, and the version's record waits
+        for it (``probed``)."""
+        self._log_pending()
         self.version = update.version
         self._heartbeat(version=self.version, checksum=update.checksum)
         now = time.time()
@@ -94,6 +103,21 @@ class WeightFeed:
             "weights/bytes": update.nbytes,
             "weights/checksum": update.checksum,  # the bytes applied: the publisher's, verified
         }
+        if probe_to_come:
+            self._pending = record
+            return
         if probe is not None and self._compare is not None:
             record.update(self._compare(self.version, probe, routing))
         self._metrics.log(record)
+
+    def probed(self, probe: list[float] | None) -> None:
+        """The engine's log-probs of ``probe_ids`` under the version applied last (``probe_to_come``), or
+        None where it dropped the probe unscored: that version's record goes out."""
+        if probe is not None and self._pending is not None and self._compare is not None:
+            self._pending.update(self._compare(self._pending["generator/version"], probe, None))
+        self._log_pending()
+
+    def _log_pending(self) -> None:
+        record, self._pending = self._pending, None
+        if record is not None:
+            self._metrics.log(record)

@@ -23,6 +23,7 @@ from weights_common import InjectingBus  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.control import RunControl, connect  # noqa: E402
+from asyncrl.generators.engine import Sampling  # noqa: E402
 from asyncrl.generators.vllm_engine import VllmEngine  # noqa: E402
 from asyncrl.protocol import decode_group  # noqa: E402
 from asyncrl.weights import setup_publisher, setup_subscriber, state_dict_checksum  # noqa: E402
@@ -274,7 +275,22 @@ def test_the_probe_scores_what_the_learner_computes(engine, tiny_model_dir):
     learner.load_state_dict({k: v + 0.05 * torch.randn_like(v) for k, v in learner.state_dict().items()})
     engine.load_weights(learner.state_dict())
     ids = list(range(3, 40))
-    assert engine.score(ids) == pytest.approx(probe_logprobs(learner, ids), abs=1e-4)
+    expected = probe_logprobs(learner, ids)
+    assert engine.score(ids) == pytest.approx(expected, abs=1e-4)
+
+    # alongside requests (the pump's way after a load): scored by the next step, the requests run on
+    engine.add_request("turn-a", [5, 6, 7], Sampling(4, 1.0, 1.0, 6, stop_token_ids=()))
+    outs = engine.step()
+    engine.start_score(ids)
+    outs += engine.step()
+    assert engine.take_score() == pytest.approx(expected, abs=1e-4) and engine.take_score() is None
+    engine.start_score(ids)
+    assert engine.abort_score() and not engine.abort_score()  # dropped unscored
+    while engine.llm.llm_engine.has_unfinished_requests():
+        outs += engine.step()
+    assert {o.request_id for o in outs} == {"turn-a"}  # the probe is no turn's
+    assert sorted(o.index for o in outs if o.finished) == [0, 1, 2, 3]
+    assert all(1 <= sum(len(o.tokens) for o in outs if o.index == i) <= 6 for i in range(4))
 
 
 def test_truncated_sampling_reports_the_truncated_distributions_logprobs(engine, tiny_model_dir):
@@ -410,7 +426,7 @@ class PollSwitchFeed:
     def engine_tensors(self, update):
         return update[1]
 
-    def applied(self, update, seconds, probe=None, routing=None):
+    def applied(self, update, seconds, probe=None, routing=None, probe_to_come=False):
         self.version = update[0]
 
 

@@ -84,7 +84,7 @@ class ScriptedFeed:
     def engine_tensors(self, update):
         return update.tensors  # a full version, no tied names
 
-    def applied(self, update, seconds, probe=None, routing=None):
+    def applied(self, update, seconds, probe=None, routing=None, probe_to_come=False):
         self.version = update.version
 
 
@@ -328,3 +328,94 @@ def test_a_groups_single_turns_share_one_n_sample_request():
     assert sorted((p, n) for _, p, n in engine.added[1:]) == [([9], 1), ([9], 1), ([9, 1], 1)]
     assert [c.tokens for c in firsts] == [[1, 2, 3], [1, 2]]  # samples 1 and 2: sample 0 was the quitter's
     assert [len(c.tokens) for c in others] == [4, 2, 4] and engine.aborted == []
+
+
+class ScoringEngine(CountingEngine):
+    """Scores a started probe (each token's log-prob: minus the weights loaded) in its ``score_steps``-th
+    step, alongside the requests; ``probe_steps`` counts the steps that ran it."""
+
+    scores_alongside = True
+
+    def __init__(self, score_steps: int = 1):
+        super().__init__()
+        self.score_steps, self.scoring, self.scored, self.probe_steps = score_steps, None, None, 0
+
+    def start_score(self, ids):
+        self.scoring = [list(ids), 0]
+
+    def step(self):
+        if self.scoring is not None:
+            self.probe_steps += 1
+            self.scoring[1] += 1
+            if self.scoring[1] == self.score_steps:
+                self.scored, self.scoring = [-float(self.loaded)] * (len(self.scoring[0]) - 1), None
+        return super().step()
+
+    def take_score(self):
+        scored, self.scored = self.scored, None
+        return scored
+
+    def abort_score(self):
+        had, self.scoring, self.scored = self.scoring is not None or self.scored is not None, None, None
+        return had
+
+
+class ProbedFeed(ScriptedFeed):
+    """A scripted feed with a probe: what the pump told it, in order."""
+
+    def __init__(self, engine, at, v=1):
+        super().__init__(engine, at, v)
+        self.probe_ids, self.told = [5, 6, 7], []
+
+    def applied(self, update, seconds, probe=None, routing=None, probe_to_come=False):
+        super().applied(update, seconds)
+        self.told.append(("applied", update.version, probe_to_come))
+
+    def probed(self, probe):
+        self.told.append(("probed", self.version, probe))
+
+
+def test_the_probe_is_scored_in_the_next_step_with_the_turns():
+    """No step of its own: the step after the load runs the probe and the turns, and the feed gets the
+    log-probs of the loaded weights."""
+    engine = ScoringEngine()
+    feed = ProbedFeed(engine, at=2)
+    (c,) = asyncio.run(run_turns(EnginePump(engine, feed, "continue"), [[9]]))
+    assert c.versions == [0, 0, 1, 1]
+    assert engine.steps == 4 and engine.probe_steps == 1
+    assert feed.told == [("applied", 1, True), ("probed", 1, [-1.0, -1.0])]
+
+
+def test_an_idle_pump_steps_for_the_probe_alone():
+    engine = ScoringEngine()
+    feed = ProbedFeed(engine, at=0)
+
+    async def scenario():
+        pump = EnginePump(engine, feed, "continue")
+        runner = asyncio.create_task(pump.run())
+        while len(feed.told) < 2:
+            await asyncio.sleep(0.01)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert feed.told == [("applied", 1, True), ("probed", 1, [-1.0, -1.0])] and engine.steps == 1
+
+
+def test_a_probe_not_scored_before_the_next_load_is_dropped_not_mixed():
+    """A probe still unscored when the next version loads (here it takes two steps) would see two versions'
+    weights: it leaves the engine and its version's record goes out without it."""
+    engine = ScoringEngine(score_steps=2)
+    feed = ProbedFeed(engine, at=1, v=1)
+    versions = iter([1, 2])
+
+    def newer(timeout_ms=0):  # version 1 after step 1, version 2 after step 2
+        if engine.steps >= feed.version + 1 and feed.version < 2:
+            v = next(versions)
+            return Update(v, {"v": v})
+        return None
+
+    feed.newer = newer
+    (c,) = asyncio.run(run_turns(EnginePump(engine, feed, "continue"), [[9]]))
+    assert c.versions == [0, 1, 2, 2]
+    assert feed.told == [("applied", 1, True), ("probed", 1, None), ("applied", 2, True), ("probed", 2, [-2.0, -2.0])]
