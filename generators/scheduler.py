@@ -189,7 +189,8 @@ class EnginePump:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self._step)
             self.engine.abort_requests(list(self._live))
-            self._drop_probe()
+            with contextlib.suppress(Exception):  # and the last version's record, while Redis is there
+                self._drop_probe()
             for turns in [*self._queue, *self._live.values()]:
                 for turn in turns:
                     turn.done.cancel()
@@ -223,7 +224,7 @@ class EnginePump:
             self._waiting = update  # applied once the running turns finish
             return
         self._waiting = None
-        self._drop_probe()  # not scored yet (nothing ran since the last load): it would be of two versions
+        self._drop_probe()  # still unscored (its prefill split over steps): it would see two versions
         running = [t for turns in self._live.values() for t in turns if not t.finished]  # split per sample
         self.engine.abort_requests(list(self._live))
         self._live = {}
