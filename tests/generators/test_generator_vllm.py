@@ -389,28 +389,34 @@ def test_a_dense_model_reloads_in_place_as_vllms_reload_does(engine, tiny_model_
 def test_a_reload_does_not_warn_of_the_rotary_cache(engine, tiny_model_dir):
     """vLLM's own reload warns "RotaryEmbedding: Failed to load weights" at every reload (its cos/sin cache is
     no checkpoint's): harmless, and dropped at its logger; every other record of that logger passes. (The
-    direct copy, a dense model's on CPU, says nothing.)"""
+    direct copy, a dense model's on CPU, says nothing.) Nor does a load log vLLM's "Successfully reset prefix
+    cache" (a line a version in every generator's log)."""
     import logging
 
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.generators.vllm_engine import RELOAD_LOGGER, RotaryReloadNote
+    from asyncrl.generators.vllm_engine import CACHE_LOGGER, RELOAD_LOGGER, RotaryReloadNote
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger(RELOAD_LOGGER)
+    logger, cache_logger = logging.getLogger(RELOAD_LOGGER), logging.getLogger(CACHE_LOGGER)
     logger.addHandler(handler)
+    cache_logger.addHandler(handler)
+    level, cache_logger.level = cache_logger.level, logging.INFO
     note = next(f for f in logger.filters if isinstance(f, RotaryReloadNote))
     try:
         reload_path(engine, False)
         engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict())
         assert note.explained  # vLLM did say it: the filter took it
         logger.warning("another warning")
+        cache_logger.info("another note")
     finally:
         reload_path(engine, None)
         logger.removeHandler(handler)
-    assert [r.getMessage() for r in records] == ["another warning"]
+        cache_logger.removeHandler(handler)
+        cache_logger.level = level
+    assert [r.getMessage() for r in records] == ["another warning", "another note"]
 
 
 class PollSwitchFeed:
