@@ -165,7 +165,13 @@ class WandbSink:
         self.run.log({**values, "version": self.stepper.step(record)})
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() returns when the run's exit is answered, not when wandb-core has written the .wandb file
+        # (a buffered writer flushed apart from that answer: header-only on a loaded machine); teardown
+        # waits for wandb-core to exit, so on return the offline run is whole (atexit would do it later)
+        wandb.teardown()
 
 
 def check_wandb(mode: str) -> None:

@@ -44,7 +44,8 @@ def test_offline_run_holds_every_record_at_its_version(tmp_path):
     sinks = open_sinks(run, tmp_path)
     for r in demo_records(steps=4):
         sinks.log(r)
-    sinks.close()
+    assert [type(sink).__name__ for sink in sinks.extras] == ["TensorBoardSink", "WandbSink"]  # none dropped
+    sinks.close()  # the .wandb file whole on return: read at once, not waited for
     (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     rows = [{k: v for k, v in row.items() if not k.startswith("_")} for row in read_wandb_history(path)]
     want, version = [], 0
