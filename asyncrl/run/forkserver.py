@@ -5,7 +5,8 @@ of the ~7.7 to a serving engine on the demo, this machine): paid by every genera
 restart, on the cores the learners start on. The launcher starts one fork server first; it imports the
 modules it is given (``asyncrl.generators.engine.preload_modules``) and nothing else: no thread of its
 own, no engine, no CUDA. It then forks each generator the launcher asks for, which runs its module as
-``python -m`` would.
+``python -m`` would; a module the server imported (``asyncrl.generators.worker``) runs its ``main()``, not a
+second copy of itself as ``__main__``.
 
 Supervision stays the launcher's. The server forks twice and the middle process exits at once, so the
 generator is re-parented to the launcher (``PR_SET_CHILD_SUBREAPER``, set only while a fork is in flight):
@@ -333,7 +334,17 @@ def main() -> None:
     sock = socket.socket(fileno=args.fd)
     request, fds = serve(sock, args.preload)
     become(request, fds)
-    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    run(request["module"])
+
+
+def run(name: str) -> None:
+    """Module ``name`` as ``python -m`` runs it. One imported here already runs its ``main()``: runpy would run
+    a second copy of it as ``__main__`` (its own classes and globals), with a RuntimeWarning in the log."""
+    module = sys.modules.get(name)
+    if module is not None and callable(getattr(module, "main", None)):
+        module.main()
+    else:
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,24 @@ def test_a_forked_child_is_what_the_launcher_would_have_started(tmp_path):
     assert r["cmdline"].startswith(f"{sys.executable} -m fork_target /"), "ps shows what it runs (cut to fit)"
 
 
+def test_a_module_the_server_imported_runs_its_main_not_a_second_copy(tmp_path):
+    """The generators' own module is among the server's imports: its child calls its main(); runpy would
+    execute the module again as __main__ (two of every class and global) and warn in the generator's log."""
+    record = tmp_path / "record.txt"
+    env = dict(os.environ, PYTHONPATH=str(HERE), FORK_MAIN_RECORD=str(record))
+    s = ForkServer(["fork_main_target"], env, tmp_path / "forkserver.log")
+    s.start()
+    try:
+        log = tmp_path / "child.log"
+        with log.open("ab") as f:
+            child = s.spawn([sys.executable, "-m", "fork_main_target", "a", "b"], env, f, 0, set())
+        assert isinstance(child, Forked) and child.wait(60) == 0
+    finally:
+        s.close()
+    assert record.read_text().splitlines() == ["executed as fork_main_target", "main a b"]
+    assert log.read_text() == "", "nothing in the child's log (no runpy RuntimeWarning)"
+
+
 def test_a_signal_ends_a_forked_child_as_it_ends_a_started_one(tmp_path):
     """Child.start forks where it has a server; stop's SIGTERM to the process group reads as -15."""
     s = server(tmp_path)
