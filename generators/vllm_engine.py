@@ -63,6 +63,17 @@ def not_a_cache_reset(record: logging.LogRecord) -> bool:
     return record.getMessage() != "Successfully reset prefix cache"
 
 
+THREADS_LOGGER = "vllm.v1.worker.cpu_worker"
+
+
+def not_a_skipped_thread_count(record: logging.LogRecord) -> bool:
+    """A logging filter: once vLLM's CPU worker has bound its OpenMP threads it replaces ``torch.set_num_threads``
+    with a warning that skips the call, and then calls it itself (4 times as an engine starts, entering and
+    leaving its own ``set_default_torch_num_threads``): four warnings of vLLM's own making in every generator's
+    log, dropped."""
+    return not record.getMessage().startswith("CPU backend doesn't allow to use `torch.set_num_threads`")
+
+
 def _eager_on_cpu() -> None:
     """No torch.compile in the calling thread on CPU. vLLM's sampler compiles one op with inductor on the
     first engine call (the rank of each sampled token, which asyncrl never reads): 2-3 s of a core at every
@@ -302,8 +313,9 @@ class VllmEngine(Engine):
         a module-level class."""
         if not any(isinstance(f, RotaryReloadNote) for f in logging.getLogger(RELOAD_LOGGER).filters):
             logging.getLogger(RELOAD_LOGGER).addFilter(RotaryReloadNote())
-        if not_a_cache_reset not in logging.getLogger(CACHE_LOGGER).filters:
-            logging.getLogger(CACHE_LOGGER).addFilter(not_a_cache_reset)
+        for name, dropped in ((CACHE_LOGGER, not_a_cache_reset), (THREADS_LOGGER, not_a_skipped_thread_count)):
+            if dropped not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(dropped)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.kv_cache_gb))
         from vllm import LLM
@@ -343,8 +355,9 @@ class VllmEngine(Engine):
     def bind_thread(self) -> None:
         # vLLM's CPU attention sizes its metadata with torch's thread count and runs with OpenMP's,
         # which a new thread takes from the environment: make the step thread's agree (else it aborts
-        # "Check failed: thread_num" whenever something set torch's count, e.g. CPU pinning)
-        torch.set_num_threads(torch.get_num_threads())
+        # "Check failed: thread_num" whenever something set torch's count, e.g. CPU pinning). torch's own
+        # setter: vLLM's CPU worker has replaced torch.set_num_threads with a warning that skips the call
+        torch._C.set_num_threads(torch.get_num_threads())
         _eager_on_cpu()
 
     def add_request(self, request_id: str, prompt: list[int], sampling: Sampling, images: tuple = ()) -> None:

@@ -419,6 +419,41 @@ def test_a_reload_does_not_warn_of_the_rotary_cache(engine, tiny_model_dir):
     assert [r.getMessage() for r in records] == ["another warning", "another note"]
 
 
+def test_binding_the_engine_thread_warns_of_nothing(engine):
+    """vLLM's CPU worker, once up, swaps torch.set_num_threads for a warning that skips the call, then calls it
+    itself as an engine starts: those warnings are dropped at its logger (any other passes); the engine thread's
+    binding goes to torch's own setter, not through the swap."""
+    import logging
+    import threading
+
+    from vllm.utils.torch_utils import set_default_torch_num_threads
+
+    from asyncrl.generators.vllm_engine import THREADS_LOGGER
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger(THREADS_LOGGER)
+    logger.addHandler(handler)
+    swapped, calls = torch.set_num_threads, []
+    torch.set_num_threads = calls.append  # what goes through vLLM's swap is counted here
+
+    try:
+        thread = threading.Thread(target=engine.bind_thread)
+        thread.start()
+        thread.join()
+        torch.set_num_threads = swapped
+        with set_default_torch_num_threads(1):  # vLLM's own calls through its swap: two warnings, dropped
+            pass
+        logger.warning("another warning")
+    finally:
+        torch.set_num_threads = swapped
+        logger.removeHandler(handler)
+    assert calls == [], "the binding set the count with torch's own setter"
+    assert "skip_set_num_threads" in swapped.__qualname__, "vLLM's swap is in place: its warnings were there to drop"
+    assert [r.getMessage() for r in records] == ["another warning"]
+
+
 class PollSwitchFeed:
     """Serves ``states[5]``; offers ``states[6]`` at its ``polls``-th poll (the pump polls once a pass)."""
 
