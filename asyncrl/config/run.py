@@ -58,6 +58,12 @@ class RunConfig(Section):
         "once (Linux; asyncrl.run.forkserver), instead of starting each, and each restart, as a new interpreter "
         "that imports them again (~6 CPU-seconds a generator on CPU).",
     )
+    fork_learners: bool = Field(
+        True,
+        description="On CPU, fork a launch's local learner ranks from one process that imported torch, "
+        "transformers and DeepSpeed once (Linux; asyncrl.run.forkserver), instead of starting each, and each "
+        "restart, as a new interpreter that imports them again (~5 CPU-seconds a rank). Ranks on GPUs are started.",
+    )
     host: str = Field(
         "127.0.0.1",
         min_length=1,

@@ -1,4 +1,5 @@
-"""Generators forked from one process that imported their modules once (``run.fork_generators``).
+"""Generators forked from one process that imported their modules once (``run.fork_generators``); on CPU the
+local learner ranks from another (``run.fork_learners``, :func:`learners_fork_server`).
 
 A generator's interpreter spends most of its start-up importing torch, transformers and vLLM (6.6 CPU-s
 of the ~7.7 to a serving engine on the demo, this machine): paid by every generator at every start and
@@ -49,6 +50,7 @@ from asyncrl.lifetime import die_with, lower_priority
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
+    from asyncrl.run.gpus import GpuPlan
 
 MAX_MESSAGE = 1 << 20  # a request: its environment, mostly
 READY_TIMEOUT_S = 300.0  # the server's imports (a cold disk: 20 s here) before a generator starts otherwise
@@ -74,6 +76,31 @@ def generators_fork_server(cfg: Config, gpu: bool, logs: Path, say: Callable[[st
     # what the imports may read of the environment, as every generator has it (its own replaces it after the fork)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **engine_env(cfg.generator.engine, None))
     server = ForkServer(preload_modules(cfg.generator.engine, gpu), env, logs / "forkserver.log", say)
+    server.start()
+    return server
+
+
+def fork_servers(cfg: Config, gpus: GpuPlan, logs: Path, say: Callable[[str], None]) -> dict[str, ForkServer]:
+    """The launch's fork servers by the role of the processes they fork, started: they import while the rest of
+    the run starts (the launcher waits for one only when it forks its first process)."""
+    servers = {
+        "learner": learners_fork_server(cfg, bool(gpus.learners), logs, say),
+        "generator": generators_fork_server(cfg, bool(gpus.generators), logs, say),
+    }
+    return {role: server for role, server in servers.items() if server is not None}
+
+
+def learners_fork_server(cfg: Config, gpu: bool, logs: Path, say: Callable[[str], None]) -> ForkServer | None:
+    """A launch's fork server for its local learner ranks (``asyncrl.learners.preload``), started, or None where
+    ``run.fork_learners`` is off, the ranks use GPUs (not measured there) or the platform has no subreapers. It
+    runs on the ranks' allocator (``learner.jemalloc``): a forked rank keeps its parent's."""
+    if not (cfg.run.fork_learners and not gpu and available()):
+        return None
+    from asyncrl.lifetime import jemalloc_env
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env = (jemalloc_env(env) or env) if cfg.learner.jemalloc else env
+    server = ForkServer(["asyncrl.learners.preload"], env, logs / "forkserver-learners.log", say)
     server.start()
     return server
 

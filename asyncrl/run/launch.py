@@ -45,7 +45,7 @@ from asyncrl.lifetime import Child, die_with, exit_soon, jemalloc_env, live_proc
 from asyncrl.net import interface_of, is_loopback, url_address
 from asyncrl.observe.metrics import DiskFull
 from asyncrl.run.disk import Reserve, check_full_disk, run_error
-from asyncrl.run.forkserver import ForkServer, generators_fork_server
+from asyncrl.run.forkserver import ForkServer, fork_servers
 from asyncrl.run.gpus import GpuPlan, has_driver, plan_gpus, visible_gpus
 from asyncrl.run.preflight import check_prompt_lengths, external_redis_url, in_background, preflight
 from asyncrl.run.resume import ResumePoint, reset_for_resume
@@ -69,7 +69,7 @@ def core_plan(cores: list[int], learners: int, generators: int) -> tuple[list[in
 
 
 class Launcher:
-    forks_generators = True  # from a fork server (asyncrl.run.forkserver) where run.fork_generators allows
+    forks_generators = True  # from fork servers (asyncrl.run.forkserver) where run.fork_generators/_learners allow
 
     def __init__(self, cfg: Config, redis_url: str | None = None, console=None, resume: ResumePoint | None = None):
         self.cfg = cfg
@@ -90,7 +90,7 @@ class Launcher:
         self.learner_master = ""  # host:port of the learners' rendezvous
         self.fleet: set[str] = set()  # the live generators, as of the last look
         self.reserve = Reserve(self.run_dir)  # room for the end of a run on a full disk
-        self.forks: ForkServer | None = None  # where generators are forked from (asyncrl.run.forkserver)
+        self.forks: dict[str, ForkServer] = {}  # role -> where its processes are forked from (asyncrl.run.forkserver)
 
     # -- set-up ------------------------------------------------------------------------------------
     def prepare_run_dir(self) -> Path:
@@ -201,7 +201,7 @@ class Launcher:
             cmd = [sys.executable, "-m", "asyncrl.learners.worker", "--config", str(config_path), "--log-file"]
             cmd.append(str(log_path))
             pin = {learner_cores[rank]} if self.pin_cpus else None
-            self.children.append(Child("learner", rank, cmd, env, log_path, cpus=pin))
+            self.children.append(Child("learner", rank, cmd, env, log_path, cpus=pin, forks=self.forks.get("learner")))
         for i in range(cfg.run.generators):
             core = generator_cores[i]
             env = dict(base, **engine_env(cfg.generator.engine, core=core), **self.gpus.generator_env(i))
@@ -213,7 +213,7 @@ class Launcher:
             pin = {core} if self.pin_cpus else None
             nice = self.generator_nice
             child = Child("generator", i, cmd, env, log_path, nice=nice, nice_when_up=i == 0, cpus_when_up=pin)
-            child.forks = self.forks
+            child.forks = self.forks.get("generator")
             self.children.append(child)
         # all at once: the other generators' start-ups (niced) then come up in the CPU the learners' leave them,
         # by about the 18th of the demo's 40 steps; held back until the learners were ready (before 2026-12-04),
@@ -335,8 +335,7 @@ class Launcher:
         atomically: ``asyncrl status``, a resume, a joining fleet member and a relaunch read it while the run
         goes on, and a truncated file in between is no run at all to them."""
         pids = {c.name: c.proc.pid for c in self.children if c.proc is not None}
-        if self.forks is not None and self.forks.pid is not None:
-            pids["forkserver"] = self.forks.pid
+        pids.update({f"forkserver-{role}": s.pid for role, s in self.forks.items() if s.pid is not None})
         write_atomic(self.run_dir / "run.json", json.dumps({**self.run_info, "pids": pids}, indent=2) + "\n")
 
     def stop_children(self, control: RunControl | None, reason: str) -> None:
@@ -380,7 +379,7 @@ class Launcher:
         previous = lifetime.stop_on_signals()  # Ctrl-C: KeyboardInterrupt whatever was inherited; SIGTERM too
         try:
             if self.forks_generators:
-                self.forks = generators_fork_server(cfg, bool(self.gpus.generators), self.run_dir / "logs", self.log)
+                self.forks = fork_servers(cfg, self.gpus, self.run_dir / "logs", self.log)
             self.secret = self.take_secret()
             url = self.start_redis()
             from asyncrl.buffers import run_prefix
@@ -447,8 +446,8 @@ class Launcher:
         reserve (a full disk's room for what follows), log the last records and write the summary (or, if
         even that fails, print it); redis-server last."""
         self.stop_children(control, reason)
-        if self.forks is not None:
-            self.forks.close()
+        for server in self.forks.values():
+            server.close()
         self.remove_uncommitted()
         self.reserve.release()
         if control is not None:

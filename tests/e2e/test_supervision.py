@@ -128,6 +128,9 @@ def test_a_dead_learner_stops_the_run_with_a_clear_error(tmp_path):
     try:
         wait_for(lambda: latest_version(run_dir) >= 1, 300, "version 1", proc, run_dir)
         info = json.loads((run_dir / "run.json").read_text())
+        assert "forkserver-learner" in info["pids"], "CPU ranks are forked from a server (run.fork_learners)"
+        maps = Path(f"/proc/{info['pids']['learner-1']}/maps").read_text()
+        assert "jemalloc" in maps, "a forked rank runs on its server's allocator (learner.jemalloc)"
         os.kill(info["pids"]["learner-1"], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:

@@ -166,6 +166,26 @@ def test_without_a_server_the_child_starts_as_its_own_interpreter(tmp_path):
 
 
 @pytest.mark.vllm
+def test_what_the_learners_server_imports_starts_no_python_thread_and_hides_triton():
+    """The CPU learners' server imports what a rank would (DeepSpeed, transformers' model classes) as the rank
+    would: triton hidden first, no thread, no CUDA."""
+    code = "import sys, threading, torch\nimport asyncrl.learners.preload\n"
+    code += "print(threading.active_count(), sys.modules['triton'], 'deepspeed' in sys.modules, "
+    code += "torch.cuda.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split()[-4:] == ["1", "None", "True", "False"], out.stdout + out.stderr
+
+
+def test_learner_ranks_are_forked_on_cpu_only_and_when_asked(tmp_path):
+    """The cases that start no learners' server (a started one is the launch tests')."""
+    from asyncrl.config import load_config
+    from asyncrl.run.forkserver import learners_fork_server
+
+    assert learners_fork_server(load_config(None, {}), True, tmp_path, print) is None, "ranks on GPUs are started"
+    off = load_config(None, {"run.fork_learners": False})
+    assert learners_fork_server(off, False, tmp_path, print) is None
+
+
 def test_what_the_generators_server_imports_starts_no_python_thread():
     """A thread running in the server at a fork would be missing in the child with whatever lock it held."""
     pytest.importorskip("vllm")
