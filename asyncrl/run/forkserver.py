@@ -106,7 +106,7 @@ def learners_fork_server(cfg: Config, gpu: bool, logs: Path, say: Callable[[str]
 
 
 class Forked:
-    """A forked generator, as the launcher holds it: the part of ``subprocess.Popen`` that ``Child`` uses."""
+    """A forked generator or learner rank as the launcher holds it: what ``Child`` uses of ``subprocess.Popen``."""
 
     def __init__(self, pid: int):
         self.pid = pid
