@@ -1,6 +1,7 @@
 """What a forked child sees of itself, written as JSON to ``argv[1]``; then it exits with ``argv[2]``
 (an int), or waits for a signal (``wait``). Run by tests/run/test_forkserver.py through a fork server."""
 
+import gc
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ report = {
     "cpus": sorted(os.sched_getaffinity(0)),
     "stdin": os.readlink("/proc/self/fd/0"),
     "preloaded": "fork_preload" in sys.modules,
+    "gc": [gc.isenabled(), gc.get_freeze_count() > 0],
     "sigint": str(signal.getsignal(signal.SIGINT)),
     "sigterm": str(signal.getsignal(signal.SIGTERM)),
     "main": __name__,

@@ -61,6 +61,7 @@ def test_a_forked_child_is_what_the_launcher_would_have_started(tmp_path):
     assert r["cwd"] == os.getcwd() and r["stdin"] == "/dev/null"
     assert r["nice"] == os.nice(0) + 3 and r["cpus"] == sorted(cpus)
     assert r["preloaded"], "the server's imports are the child's"
+    assert r["gc"] == [True, True], "collections on (the server imports without them), the imports frozen"
     assert r["sigint"] == str(signal.default_int_handler) and r["sigterm"] == str(signal.SIG_DFL)
     assert "to the log: stdout" in log.read_text() and "to the log: stderr" in log.read_text()
     assert r["cmdline"].startswith(f"{sys.executable} -m fork_target /"), "ps shows what it runs (cut to fit)"
