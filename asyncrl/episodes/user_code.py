@@ -65,10 +65,11 @@ class Batch:
     only code without side effects should be batched (``episode.batch_rewards``).
 
     Only fast code is batched: a batch's calls run one after another in one worker thread, alone they run
-    side by side on the pool's threads. A target's first batch holds at most ``FIRST`` calls (the rest go
-    alone); while its batches take at most ``slow_s`` a call in the worker, every call of a turn goes in
-    one, and from the first slower or failed batch on, its calls go alone. Timing decides only how calls
-    travel, never what they return."""
+    side by side on the pool's threads. Until a target has a batch back, its calls go in batches of at most
+    ``FIRST`` (a slow one waits behind 3 others at most; all alone, a burst of them -- the first evaluation's
+    128 -- took a thread each and started every worker of the pool); while its batches take at most ``slow_s``
+    a call in the worker, every call of a turn goes in one, and from the first slower or failed batch on, its
+    calls go alone. Timing decides only how calls travel, never what they return."""
 
     _ALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> {kind: its Batch}
     SLOW_S = 0.02  # a call this slow gains nothing from sparing its ~0.3 ms round trip
@@ -106,25 +107,30 @@ class Batch:
     async def _send(self, target: str, timeout_s: float, calls: list[tuple[list, asyncio.Future]]) -> None:
         calls = [(args, answer) for args, answer in calls if not answer.done()]  # not cancelled meanwhile
         fast = self.fast.get(target)
-        size = 0 if fast is False else len(calls) if fast else min(len(calls), self.FIRST)
-        size = size if size > 1 else 0
-        alone = [self._alone(target, args, timeout_s, answer) for args, answer in calls[size:]]  # at once
-        if size:
-            batch, results = calls[:size], None
-            try:
-                done = await self.pool.call(
-                    EACH, [target, [args for args, _ in batch]], {}, timeout_s=timeout_s, kind=self.kind
-                )
-                results = done["results"]
-                self.fast[target] = done["seconds"] <= self.slow_s * size  # the worker's time: no queueing
-            except Exception:  # noqa: BLE001 - the batch failed: each call alone says why, or succeeds
-                self.fast[target] = False
-            for i, (args, answer) in enumerate(batch):
-                if results is not None and results[i][0]:
-                    if not answer.done():
-                        answer.set_result(results[i][1])
-                else:
-                    alone.append(self._alone(target, args, timeout_s, answer))
+        size = 1 if fast is False else len(calls) if fast else self.FIRST  # unmeasured: batches of FIRST at most
+        await asyncio.gather(*(self._batch(target, timeout_s, calls[i : i + size]) for i in range(0, len(calls), size)))
+
+    async def _batch(self, target: str, timeout_s: float, batch: list[tuple[list, asyncio.Future]]) -> None:
+        if len(batch) == 1:
+            ((args, answer),) = batch
+            await self._alone(target, args, timeout_s, answer)
+            return
+        results, alone = None, []
+        try:
+            done = await self.pool.call(
+                EACH, [target, [args for args, _ in batch]], {}, timeout_s=timeout_s, kind=self.kind
+            )
+            results = done["results"]
+            fast = done["seconds"] <= self.slow_s * len(batch)  # the worker's time: no queueing
+        except Exception:  # noqa: BLE001 - the batch failed: each call alone says why, or succeeds
+            fast = False
+        self.fast[target] = self.fast.get(target, True) and fast  # once slow or failed, slow
+        for i, (args, answer) in enumerate(batch):
+            if results is not None and results[i][0]:
+                if not answer.done():
+                    answer.set_result(results[i][1])
+            else:
+                alone.append(self._alone(target, args, timeout_s, answer))
         await asyncio.gather(*alone)
 
     def _alone(self, target: str, args: list, timeout_s: float, answer: asyncio.Future) -> asyncio.Future:

@@ -33,8 +33,8 @@ async def outcome(call, completion: str, timeout_s: float = WAIT_S):
 
 
 def test_rewards_asked_in_one_turn_are_one_call_and_each_gets_its_own_answer():
-    """A target's first turn sends FIRST calls as one (the rest alone); once that batch was fast (here: any
-    batch is), a turn's calls are one call, each with its own answer."""
+    """A target's first turn sends its calls in batches of FIRST (one call each); once a batch was fast (here:
+    any batch is), a turn's calls are one call, each with its own answer."""
 
     async def test(pool):
         batch = Batch(pool, "reward", slow_s=math.inf)
@@ -44,15 +44,29 @@ def test_rewards_asked_in_one_turn_are_one_call_and_each_gets_its_own_answer():
             return await asyncio.gather(*(batch.call(target, ["p", "x" * i, {"bonus": 10}], WAIT_S) for i in range(n)))
 
         assert await turn(20) == [10 + i for i in range(20)]
-        assert pool.stats()["calls"] == 1 + 20 - first and batch.fast == {target: True}
+        assert pool.stats()["calls"] == 20 // first and batch.fast == {target: True}
         assert await turn(20) == [10 + i for i in range(20)]
-        assert pool.stats()["calls"] == 2 + 20 - first
-        assert await turn(3) == [10, 11, 12] and pool.stats()["calls"] == 3 + 20 - first  # the next turn: another
+        assert pool.stats()["calls"] == 1 + 20 // first
+        assert await turn(3) == [10, 11, 12] and pool.stats()["calls"] == 2 + 20 // first  # the next turn: another
         unbatched = caller(pool, "reward")
         await asyncio.gather(*(outcome(unbatched, "x") for _ in range(4)))
-        assert pool.stats()["calls"] == 7 + 20 - first
+        assert pool.stats()["calls"] == 6 + 20 // first
 
     in_pool(test, workers=2, threads=4)
+
+
+def test_a_first_burst_takes_one_worker_not_the_pool():
+    """Forty rewards in the first turn (an evaluation's burst), their speed not yet known: ten batches of FIRST,
+    on one worker's threads; alone, 36 of them took a thread each and started three more workers."""
+
+    async def test(pool):
+        batch = Batch(pool, "reward", slow_s=math.inf)
+        asks = [batch.call("pool_targets:reward", ["p", "x" * i, {"bonus": 1}], WAIT_S) for i in range(40)]
+        assert await asyncio.gather(*asks) == [1 + i for i in range(40)]
+        stats = pool.stats()
+        assert stats["calls"] == 40 // Batch.FIRST and stats["workers_started"] == 1, stats
+
+    in_pool(test, workers=4, threads=16)
 
 
 def test_a_slow_reward_goes_alone_after_its_first_batch():
