@@ -69,7 +69,7 @@ def core_plan(cores: list[int], learners: int, generators: int) -> tuple[list[in
 
 
 class Launcher:
-    forks_generators = True  # from fork servers (asyncrl.run.forkserver) where run.fork_generators/_learners allow
+    forks_children = True  # from fork servers (asyncrl.run.forkserver) where run.fork_generators/_learners allow
 
     def __init__(self, cfg: Config, redis_url: str | None = None, console=None, resume: ResumePoint | None = None):
         self.cfg = cfg
@@ -378,7 +378,7 @@ class Launcher:
         reason, code = "interrupted", 130
         previous = lifetime.stop_on_signals()  # Ctrl-C: KeyboardInterrupt whatever was inherited; SIGTERM too
         try:
-            if self.forks_generators:
+            if self.forks_children:
                 self.forks = fork_servers(cfg, self.gpus, self.run_dir / "logs", self.log)
             self.secret = self.take_secret()
             url = self.start_redis()

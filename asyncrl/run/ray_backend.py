@@ -284,7 +284,7 @@ class RayChild(Child):
 class RayLauncher(Launcher):
     """The local launcher's run, supervision and summary, with processes placed by Ray (module doc)."""
 
-    forks_generators = False  # they are Ray's actors
+    forks_children = False  # they are Ray's actors
 
     def __init__(self, cfg: Config, address: str = "auto", console=None, resume: ResumePoint | None = None) -> None:
         super().__init__(cfg, console=console, resume=resume)
