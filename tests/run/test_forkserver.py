@@ -166,7 +166,6 @@ def test_without_a_server_the_child_starts_as_its_own_interpreter(tmp_path):
     assert isinstance(child.proc, subprocess.Popen) and child.proc.wait(60) == 5 and len(said) == 2
 
 
-@pytest.mark.vllm
 def test_what_the_learners_server_imports_starts_no_python_thread_and_hides_triton():
     """The CPU learners' server imports what a rank would (DeepSpeed, transformers' model classes) as the rank
     would: triton hidden first, no thread, no CUDA."""
@@ -187,6 +186,7 @@ def test_learner_ranks_are_forked_on_cpu_only_and_when_asked(tmp_path):
     assert learners_fork_server(off, False, tmp_path, print) is None
 
 
+@pytest.mark.vllm
 def test_what_the_generators_server_imports_starts_no_python_thread():
     """A thread running in the server at a fork would be missing in the child with whatever lock it held."""
     pytest.importorskip("vllm")
