@@ -98,7 +98,7 @@ def learners_fork_server(cfg: Config, gpu: bool, logs: Path, say: Callable[[str]
         return None
     from asyncrl.lifetime import jemalloc_env
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # DeepSpeed's accelerator: the preload's
     env = (jemalloc_env(env) or env) if cfg.learner.jemalloc else env
     server = ForkServer(["asyncrl.learners.preload"], env, logs / "forkserver-learners.log", say)
     server.start()
