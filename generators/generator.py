@@ -17,7 +17,8 @@ samples their turns continuously. The loop, every ``TICK_S`` or when a group end
                journal: ``asyncrl.generators.journal``), then claim groups under admission control,
                keyed on the version their turns will be sampled with (under ``wait``, an update
                waiting for the running turns), while there is room, the share sized by the live
-               fleet; each group runs as its own task: n episodes -> one trajectory group -> push
+               fleet (found closed, it is asked again at a new version or the tick, not at each group's
+               end); each group runs as its own task: n episodes -> one trajectory group -> push
   3. report  - metrics every ``REPORT_S``; stop the run when failures pass the limit
                (``episode.failure_limit``)
 
@@ -131,17 +132,19 @@ class Generator:
         self.reward_fn = load_reward(cfg.data.reward, ep.reward_timeout_s)
         self.eval_reward_fn = load_reward(cfg.data.eval_reward, ep.reward_timeout_s) if cfg.data.eval_reward else None
         eval_prompts = Prompts(self.chat, self.prompts.vision, cfg.data.eval or cfg.data.train)
-        self.eval_set = [(r, p) for r in eval_records if self._fits(p := eval_prompts(r))]  # encoded once
+        self.eval_set = [(r, p) for r in eval_records if self._fits(p := eval_prompts(r))]  # encoded once, seeded once
+        self.eval_seeds = [episode_seed(cfg.run.seed, -1, i) for i in range(len(self.eval_set))]  # ~30 us each
         if len(self.eval_set) < len(eval_records):
             log.warning(
                 "%d eval prompts do not fit the model's context: left out", len(eval_records) - len(self.eval_set)
             )
         self.due_evals = eval_points(cfg.run.steps, cfg.run.eval_every) if cfg.generator.eval else set()
         self.due_samples = set(range(0, cfg.run.steps + 1, SAMPLE_EVERY))  # training samples (samples.jsonl)
-        g = cfg.generator
-        stops = tuple(self.chat.stop_token_ids)
-        self.sampling, self.greedy = turn_sampling(g, stops), turn_sampling(g, stops, greedy=True)
+        g, stops = cfg.generator, tuple(self.chat.stop_token_ids)
+        self.sampling = turn_sampling(g, stops)  # the default single turn's evaluations read their tokens alone:
+        self.greedy = turn_sampling(g, stops, greedy=True, tokens_only=self.episode is single_turn)
         self.capacity = max(1, g.episodes_in_flight // g.n_samples)  # groups
+        self.closed_at: int | None = None  # the serving version at which admission was last found closed
         self.groups: set[asyncio.Task] = set()
         self.journals: dict[int, GroupJournal] = {}  # of the groups being played, by seq
         self.evaluating: asyncio.Task | None = None
@@ -222,14 +225,10 @@ class Generator:
         n = self.cfg.generator.n_samples
         # the default single turn: the group's n completions of its prompt are one n-sample engine request
         shared = GroupTurns(self.pump, prompt, self.sampling, n) if self.episode is single_turn else None
+        seeds = [episode_seed(self.cfg.run.seed, seq, i) for i in range(n)]
         try:
             played = await asyncio.gather(
-                *(
-                    self.play(
-                        record, prompt, episode_seed(self.cfg.run.seed, seq, i), self.sampling, None, journal, i, shared
-                    )  # fmt: skip
-                    for i in range(n)
-                )
+                *(self.play(record, prompt, s, self.sampling, None, journal, i, shared) for i, s in enumerate(seeds))
             )
         finally:
             if shared is not None:
@@ -318,12 +317,9 @@ class Generator:
         try:
             async with self.pump.hold():
                 version, t0 = self.version, time.perf_counter()
-                played = await asyncio.gather(
-                    *(
-                        self.play(r, prompt, episode_seed(self.cfg.run.seed, -1, i), self.greedy, self.eval_reward_fn)
-                        for i, (r, prompt) in enumerate(self.eval_set)
-                    )
-                )
+                seeded = zip(self.eval_set, self.eval_seeds, strict=True)
+                reward = self.eval_reward_fn
+                played = await asyncio.gather(*(self.play(r, p, s, self.greedy, reward) for (r, p), s in seeded))
             record, point = eval_record(version, points, played, time.perf_counter() - t0), points[-1]
             if "eval/reward_mean" in record:
                 log.info("eval at version %d (point %d): reward %.3f", version, point, record["eval/reward_mean"])
@@ -343,6 +339,8 @@ class Generator:
         room = self.capacity - len(self.groups)
         if room <= 0 or self.version >= self.cfg.run.steps:  # full, or the learner is done (the final eval left)
             return 0
+        if not orphans and self.closed_at == self.pump.next_version:  # closed: until a version or a tick (slots
+            return 0  # the learner gives back, of filtered or stale groups); a Redis round trip a group's end saved
         claims = await asyncio.to_thread(self._claim, room, orphans)
         for seq, saved in claims:
             if saved is not None:  # a group of a generator that died: its slot is taken already
@@ -358,13 +356,15 @@ class Generator:
             claims.append(orphan)
         k, b = self.cfg.run.max_policy_lag, self.cfg.learner.groups_per_step
         serving = self.pump.next_version
-        share = claim_share(admission_limit(serving, k, b) - live_groups(self.buffer.stats()), self.fleet, room, b)
-        for _ in range(min(share, room - len(claims))):  # each claim is atomic; the share only spreads them
-            seq = self.buffer.try_start_group(serving, k, b, producer=self.ident)
-            if seq is None:
+        open_slots = admission_limit(serving, k, b) - live_groups(self.buffer.stats())
+        started: list[tuple[int, None]] = []
+        for _ in range(min(claim_share(open_slots, self.fleet, room, b), room - len(claims))):  # each claim atomic
+            if (seq := self.buffer.try_start_group(serving, k, b, producer=self.ident)) is None:
+                open_slots = len(started)  # the other generators took the rest
                 break
-            claims.append((seq, None))
-        return claims
+            started.append((seq, None))
+        self.closed_at = serving if len(started) >= open_slots else None
+        return claims + started
 
     def _start(self, group) -> None:
         task = asyncio.create_task(group)

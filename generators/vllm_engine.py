@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -362,7 +363,10 @@ class VllmEngine(Engine):
 
     def add_request(self, request_id: str, prompt: list[int], sampling: Sampling, images: tuple = ()) -> None:
         params = _params(sampling, sampling.max_new_tokens)
-        request = {"prompt_token_ids": prompt, **({"multi_modal_data": {"image": list(images)}} if images else {})}
+        if images:  # through vLLM's processor, which places their features
+            request = {"prompt_token_ids": prompt, "multi_modal_data": {"image": list(images)}}
+        else:
+            request = _tokens(prompt)
         internal = self.llm.llm_engine.add_request(request_id, request, params)
         if sampling.n > 1:
             self._parents[request_id] = internal
@@ -378,7 +382,10 @@ class VllmEngine(Engine):
                 continue
             for c in out.outputs:
                 tokens = list(c.token_ids)
-                logprobs = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], tokens, strict=True)]
+                if c.logprobs is None:  # a tokens-only turn (Sampling.tokens_only)
+                    logprobs = [math.nan] * len(tokens)
+                else:
+                    logprobs = [float(step[tok].logprob) for step, tok in zip(c.logprobs, tokens, strict=True)]
                 reason = "stop" if c.finish_reason == "stop" else "length"
                 outs.append(StepOutput(out.request_id, tokens, logprobs, c.finished(), reason, c.index))
             if out.finished:
@@ -394,7 +401,7 @@ class VllmEngine(Engine):
             raise RuntimeError("score() while requests are running: their outputs would be lost")
         if self.moe:
             self.llm.collective_rpc("asyncrl_routing", args=(True,))
-        engine.add_request(SCORE_ID, {"prompt_token_ids": list(ids)}, _score_params())
+        engine.add_request(SCORE_ID, _tokens(list(ids)), _score_params())
         logprobs = None
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -413,7 +420,7 @@ class VllmEngine(Engine):
             raise RuntimeError("a mixture of experts' probe is scored alone (score), for its routing")
         self.abort_score()
         self._scoring, self._scored = list(ids), None
-        self.llm.llm_engine.add_request(SCORE_ID, {"prompt_token_ids": self._scoring}, _score_params())
+        self.llm.llm_engine.add_request(SCORE_ID, _tokens(self._scoring), _score_params())
 
     def take_score(self) -> list[float] | None:
         scored, self._scored = self._scored, None
@@ -447,6 +454,14 @@ class VllmEngine(Engine):
 SCORE_ID = "asyncrl-probe"  # the probe's request (the pump's turns are "turn-<n>")
 
 
+def _tokens(ids: list[int]):
+    """Token ids as the engine's own input: vLLM would render a raw prompt again (~30 us a request on CPU),
+    and warns that passing one is deprecated."""
+    from vllm.inputs.engine import tokens_input
+
+    return tokens_input(ids)
+
+
 def _score_params():
     from vllm import SamplingParams
 
@@ -460,8 +475,7 @@ def _prompt_logprobs(out, ids: list[int]) -> list[float]:
 
 
 def _params(sampling: Sampling, max_tokens: int):
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, SamplingParams  # not vllm's lazy top level: ~3 us a call
 
     return SamplingParams(
         n=sampling.n,
@@ -474,6 +488,8 @@ def _params(sampling: Sampling, max_tokens: int):
         stop=list(sampling.stop) or None,
         include_stop_str_in_output=True,  # the text is ours to decode: vLLM's is not used,
         detokenize=bool(sampling.stop),  # so it decodes only to find stop strings (14% of a step's CPU saved)
-        logprobs=0,  # the sampled token's log-prob only
-        output_kind=RequestOutputKind.DELTA,  # driven step by step: each step's new tokens
+        logprobs=None if sampling.tokens_only else 0,  # the sampled token's log-prob only
+        # driven step by step: each step's new tokens (a weight update continues a turn from them)
+        output_kind=RequestOutputKind.FINAL_ONLY if sampling.tokens_only else RequestOutputKind.DELTA,
+        skip_clone=True,  # made for one request: vLLM's copy of it may be shallow (a deepcopy a request otherwise)
     )

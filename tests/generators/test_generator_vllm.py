@@ -333,6 +333,23 @@ def test_a_stop_string_ends_the_turn_with_its_token(engine, tiny_model_dir):
     assert tokens == free[:cut] and reason == "stop"
 
 
+def test_a_tokens_only_turn_comes_whole_at_its_end_without_logprobs(engine, tiny_model_dir):
+    """An evaluation's greedy turn (``Sampling.tokens_only``): the tokens a step-by-step turn gets, in one output
+    when it ends, each log-prob NaN (none computed), with the same finish."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict())
+    prompt = AutoTokenizer.from_pretrained(tiny_model_dir).encode("sort:dcba=")
+    tokens, logprobs, reason = run_request(engine, prompt, Sampling(1, 0.0, 1.0, 12))
+    assert len(tokens) > 1 and all(math.isfinite(lp) for lp in logprobs)
+    engine.add_request("whole", prompt, Sampling(1, 0.0, 1.0, 12, tokens_only=True))
+    outs = []
+    while not outs:
+        outs = engine.step()
+    assert [(o.tokens, o.finished, o.finish_reason) for o in outs] == [(tokens, True, reason)]
+    assert len(outs[0].logprobs) == len(tokens) and all(math.isnan(lp) for lp in outs[0].logprobs)
+
+
 def reload_path(engine, in_place: bool) -> None:
     """The worker's reload from now on: the direct copy (``reload_in_place``) or vLLM's own."""
     engine.llm.collective_rpc(lambda wrapper: setattr(wrapper.worker, "_asyncrl_in_place", in_place))
