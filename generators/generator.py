@@ -141,7 +141,7 @@ class Generator:
         self.due_evals = eval_points(cfg.run.steps, cfg.run.eval_every) if cfg.generator.eval else set()
         self.due_samples = set(range(0, cfg.run.steps + 1, SAMPLE_EVERY))  # training samples (samples.jsonl)
         g, stops = cfg.generator, tuple(self.chat.stop_token_ids)
-        self.sampling = turn_sampling(g, stops)  # the default single turn's evaluations read their tokens alone:
+        self.sampling = turn_sampling(g, stops)
         self.greedy = turn_sampling(g, stops, greedy=True, tokens_only=self.episode is single_turn)
         self.capacity = max(1, g.episodes_in_flight // g.n_samples)  # groups
         self.closed_at: int | None = None  # the serving version at which admission was last found closed
