@@ -132,8 +132,8 @@ class Generator:
         self.reward_fn = load_reward(cfg.data.reward, ep.reward_timeout_s)
         self.eval_reward_fn = load_reward(cfg.data.eval_reward, ep.reward_timeout_s) if cfg.data.eval_reward else None
         eval_prompts = Prompts(self.chat, self.prompts.vision, cfg.data.eval or cfg.data.train)
-        self.eval_set = [(r, p) for r in eval_records if self._fits(p := eval_prompts(r))]  # encoded once, seeded once
-        self.eval_seeds = [episode_seed(cfg.run.seed, -1, i) for i in range(len(self.eval_set))]  # ~30 us each
+        fitting = [(r, p) for r in eval_records if self._fits(p := eval_prompts(r))]  # encoded once, seeded once:
+        self.eval_set = [(r, p, episode_seed(cfg.run.seed, -1, i)) for i, (r, p) in enumerate(fitting)]  # ~30 us a seed
         if len(self.eval_set) < len(eval_records):
             log.warning(
                 "%d eval prompts do not fit the model's context: left out", len(eval_records) - len(self.eval_set)
@@ -317,16 +317,15 @@ class Generator:
         try:
             async with self.pump.hold():
                 version, t0 = self.version, time.perf_counter()
-                seeded = zip(self.eval_set, self.eval_seeds, strict=True)
                 reward = self.eval_reward_fn
-                played = await asyncio.gather(*(self.play(r, p, s, self.greedy, reward) for (r, p), s in seeded))
+                played = await asyncio.gather(*(self.play(r, p, s, self.greedy, reward) for r, p, s in self.eval_set))
             record, point = eval_record(version, points, played, time.perf_counter() - t0), points[-1]
             if "eval/reward_mean" in record:
                 log.info("eval at version %d (point %d): reward %.3f", version, point, record["eval/reward_mean"])
             else:
                 log.warning("eval at version %d: every episode failed", version)
             self.metrics.log(record)
-            prompts = [prompt.ids for _, prompt in self.eval_set]
+            prompts = [prompt.ids for _, prompt, _ in self.eval_set]
             self.metrics.log(
                 samples_record("eval", version, point, sample_items(self.chat.tok, prompts, played, SAMPLE_ITEMS))
             )

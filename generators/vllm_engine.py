@@ -463,7 +463,7 @@ def _tokens(ids: list[int]):
 
 
 def _score_params():
-    from vllm import SamplingParams
+    from vllm.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
 
