@@ -21,7 +21,7 @@ from asyncrl.config import Config, load_config
 from asyncrl.control import RunControl, connect
 from asyncrl.generators.engine import setup as setup_engine
 from asyncrl.generators.generator import Generator
-from asyncrl.lifetime import NICE_WHEN_UP_ENV, lower_priority, pin_when_up
+from asyncrl.lifetime import NICE_WHEN_UP_ENV, lower_priority, pin_when_up, starting_up
 from asyncrl.observe.metrics import setup_logging
 from asyncrl.secret import read_secret
 from asyncrl.weights import setup_subscriber
@@ -59,19 +59,20 @@ def serve(cfg: Config, ident: str, url: str, prefix: str, incarnation: int = 0) 
     """Run generator ``ident`` of the run under ``prefix`` on the Redis server at ``url`` until the run
     ends or SIGTERM; the weights come from the address the learner advertised there. A clean end ends the
     process too (``os._exit(0)``, see the end); an error is raised."""
-    control = RunControl(connect(url), prefix)
-    buffer = buffers.setup(cfg.buffer, url, prefix)
+    with starting_up():  # the collector's passes left for the end of set-up (asyncrl.lifetime)
+        control = RunControl(connect(url), prefix)
+        buffer = buffers.setup(cfg.buffer, url, prefix)
 
-    from transformers import AutoTokenizer
+        from transformers import AutoTokenizer
 
-    seed = zlib.crc32(f"{cfg.run.seed}/{ident}/{incarnation}".encode())
-    g = cfg.generator
-    engine = setup_engine(g.engine, cfg.model, engine_slots(cfg), seed, max_model_len=g.max_model_len)
-    lower_priority(int(os.environ.pop(NICE_WHEN_UP_ENV, "0")))  # started at full priority (asyncrl.lifetime.Child)
-    pin_when_up()  # ... and on any core
-    address = control.wait_meta("weights_address", timeout_s=600)
-    subscriber = setup_subscriber(cfg.weights, address, subscriber_id=f"generator-{ident}", secret=read_secret())
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        seed = zlib.crc32(f"{cfg.run.seed}/{ident}/{incarnation}".encode())
+        g = cfg.generator
+        engine = setup_engine(g.engine, cfg.model, engine_slots(cfg), seed, max_model_len=g.max_model_len)
+        lower_priority(int(os.environ.pop(NICE_WHEN_UP_ENV, "0")))  # started at full priority (asyncrl.lifetime.Child)
+        pin_when_up()  # ... and on any core
+        address = control.wait_meta("weights_address", timeout_s=600)
+        subscriber = setup_subscriber(cfg.weights, address, subscriber_id=f"generator-{ident}", secret=read_secret())
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     # plain environments, tools and rewards run on threads: one per episode, so none waits for another
     threads = concurrent.futures.ThreadPoolExecutor(cfg.generator.episodes_in_flight + 8, "episode")
     loop = asyncio.new_event_loop()

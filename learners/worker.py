@@ -72,7 +72,7 @@ from asyncrl.learners.objective import (
 )
 from asyncrl.learners.records import step_record, step_sums
 from asyncrl.learners.vision import BatchImages, batch_images, published_names
-from asyncrl.lifetime import exit_after_collectives
+from asyncrl.lifetime import exit_after_collectives, starting_up
 from asyncrl.models.routers import RouterTap, add_aux_loss, choices_of, step_router_metrics
 from asyncrl.observe import probe
 from asyncrl.observe.metrics import RedisSink, Timings, setup_logging
@@ -269,45 +269,46 @@ def restore(models: Models, consumer: BatchConsumer, ckpt_dir: Path, rank: int) 
 
 def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None:
     """The learner rank's loop (the module doc's phases), from its restored version to ``run.steps``."""
-    from transformers import AutoTokenizer
+    with starting_up():  # the collector's passes left for the end of set-up (asyncrl.lifetime)
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    ep = cfg.episode
-    chat = ChatTokens(tokenizer, use_template=ep.chat_template, system_prompt=ep.system_prompt)  # the generators'
-    images = batch_images(cfg.model.path)  # a vision-language policy's pixel inputs
-    pad_id = tokenizer.pad_token_id
-    probe_seq = probe.probe_ids(chat, load_jsonl(cfg.data.train)[0], images.vision if images else None)
-    preset = cfg.algorithm.preset
-    models = build_models(cfg.learner, cfg.model, cfg.algorithm, cfg.run.steps)
-    engine = models.policy
-    keep = published_names(engine, cfg.model)  # a VLM's language model alone, its vision frozen
-    sampling = Sampling(cfg.generator.temperature, cfg.generator.max_new_tokens)
-    metrics = RedisSink(control, f"learner/{rank}")
-    reducer = DistReducer()
-    need = cfg.learner.groups_per_step // world
-    rules = ConsumerRules(
-        max_policy_lag=cfg.run.max_policy_lag,
-        replay_times=cfg.buffer.replay_times,
-        filter_zero_variance=cfg.buffer.filter_zero_variance or preset.dynamic_filtering,
-        max_frame_bytes=int(cfg.buffer.max_frame_mb * (1 << 20)),
-    )
-    consumer = BatchConsumer(buffer, f"rank{rank}", rules)
-    ckpt_dir = cfg.run_dir / "checkpoint"
-    start = restore(models, consumer, ckpt_dir, rank)
-    if rank == 0:
-        log.info("algorithm %s: %s", cfg.algorithm.name, preset)
-    publisher = start_publisher(cfg) if rank == 0 else None
-    # the probe's forward is a collective under ZeRO-3 (every rank); otherwise rank 0, which publishes, alone
-    probing = publisher is not None or cfg.learner.zero_stage == 3
-    probed = probe_of(models, probe_seq) if probing else None
-    state = full_state_dict(engine, cfg.learner.zero_stage, keep)
-    if publisher is not None:
-        # before any generator applies; a LoRA policy's names are its HF model's
-        control.set_meta("tied", json.dumps(module_aliases(base_model(engine.module))))
-        probe.publish(control, start, *probed)
-        buffer.set_version(start)
-        publisher.publish(start, state)
-        control.set_meta("weights_address", publisher.address)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        ep = cfg.episode
+        chat = ChatTokens(tokenizer, use_template=ep.chat_template, system_prompt=ep.system_prompt)  # the generators'
+        images = batch_images(cfg.model.path)  # a vision-language policy's pixel inputs
+        pad_id = tokenizer.pad_token_id
+        probe_seq = probe.probe_ids(chat, load_jsonl(cfg.data.train)[0], images.vision if images else None)
+        preset = cfg.algorithm.preset
+        models = build_models(cfg.learner, cfg.model, cfg.algorithm, cfg.run.steps)
+        engine = models.policy
+        keep = published_names(engine, cfg.model)  # a VLM's language model alone, its vision frozen
+        sampling = Sampling(cfg.generator.temperature, cfg.generator.max_new_tokens)
+        metrics = RedisSink(control, f"learner/{rank}")
+        reducer = DistReducer()
+        need = cfg.learner.groups_per_step // world
+        rules = ConsumerRules(
+            max_policy_lag=cfg.run.max_policy_lag,
+            replay_times=cfg.buffer.replay_times,
+            filter_zero_variance=cfg.buffer.filter_zero_variance or preset.dynamic_filtering,
+            max_frame_bytes=int(cfg.buffer.max_frame_mb * (1 << 20)),
+        )
+        consumer = BatchConsumer(buffer, f"rank{rank}", rules)
+        ckpt_dir = cfg.run_dir / "checkpoint"
+        start = restore(models, consumer, ckpt_dir, rank)
+        if rank == 0:
+            log.info("algorithm %s: %s", cfg.algorithm.name, preset)
+        publisher = start_publisher(cfg) if rank == 0 else None
+        # the probe's forward is a collective under ZeRO-3 (every rank); otherwise rank 0, which publishes, alone
+        probing = publisher is not None or cfg.learner.zero_stage == 3
+        probed = probe_of(models, probe_seq) if probing else None
+        state = full_state_dict(engine, cfg.learner.zero_stage, keep)
+        if publisher is not None:
+            # before any generator applies; a LoRA policy's names are its HF model's
+            control.set_meta("tied", json.dumps(module_aliases(base_model(engine.module))))
+            probe.publish(control, start, *probed)
+            buffer.set_version(start)
+            publisher.publish(start, state)
+            control.set_meta("weights_address", publisher.address)
     log.info("rank %d ready at version %d", rank, start)  # a start-up phase (scripts/bench/startup.py)
     t_start = time.time()
     timings = Timings()
