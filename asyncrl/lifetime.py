@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -61,6 +61,25 @@ def jemalloc_env(env: dict[str, str]) -> dict[str, str] | None:
         return None
     preload = " ".join(filter(None, [env.get("LD_PRELOAD"), name]))
     return {"MALLOC_CONF": JEMALLOC_CONF, **env, "LD_PRELOAD": preload}
+
+
+def child_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` as every learner rank and generator of a launch has it, before the run's own (its Redis, its
+    secret: the launcher's ``child_env``); the fork servers import in it (``asyncrl.run.forkserver``)."""
+    env = {**environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # JIT-built ops (DeepSpeed's CPU shm allreduce) per environment: one machine-wide cache is
+    # rebuilt (minutes) whenever another checkout's environment used it last
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    return env
+
+
+def learner_env(base: dict[str, str], jemalloc: bool, say: Callable[[str], None] | None = None) -> dict[str, str]:
+    """The learner ranks' environment: ``base``, on jemalloc where asked (``learner.jemalloc``) and installed;
+    ``say`` is told when it is asked for and missing."""
+    env = jemalloc_env(base) if jemalloc else None
+    if jemalloc and env is None and say is not None:
+        say("learner.jemalloc: no libjemalloc.so.2 (apt install libjemalloc2); learners use glibc malloc")
+    return base if env is None else env
 
 
 def die_with(parent_pid: int, sig: int = signal.SIGTERM) -> Callable[[], None]:

@@ -18,7 +18,7 @@ import yaml
 
 from asyncrl.config.offline import OfflineConfig
 from asyncrl.errors import UserError
-from asyncrl.lifetime import Child, jemalloc_env, stop_exit_code, stop_on_signals, stop_processes
+from asyncrl.lifetime import Child, learner_env, stop_exit_code, stop_on_signals, stop_processes
 
 POLL_S = 0.2
 
@@ -168,8 +168,7 @@ def launch(cfg: OfflineConfig, mode: str, log=print, resume: bool = False) -> in
         "GLOO_SOCKET_IFNAME": "lo",
         "ASYNCRL_TORCH_THREADS": str(max(1, (os.cpu_count() or 1) // world)),
     }
-    if cfg.learner.jemalloc:
-        base = jemalloc_env(base) or base
+    base = learner_env(base, cfg.learner.jemalloc, log)
     cmd = [sys.executable, "-m", "asyncrl.offline.train", "--mode", mode, "--config", str(config_path)]
     ranks = [
         Child("learner", r, cmd, {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, run_dir / f"rank-{r}.out")

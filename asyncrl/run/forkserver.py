@@ -46,7 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.lifetime import die_with, lower_priority
+from asyncrl.lifetime import child_env, die_with, learner_env, lower_priority
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -74,7 +74,7 @@ def generators_fork_server(cfg: Config, gpu: bool, logs: Path, say: Callable[[st
     from asyncrl.generators.engine import preload_modules
 
     # what the imports may read of the environment, as every generator has it (its own replaces it after the fork)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **engine_env(cfg.generator.engine, None))
+    env = {**child_env(os.environ), **engine_env(cfg.generator.engine, None)}
     server = ForkServer(preload_modules(cfg.generator.engine, gpu), env, logs / "forkserver.log", say)
     server.start()
     return server
@@ -96,10 +96,8 @@ def learners_fork_server(cfg: Config, gpu: bool, logs: Path, say: Callable[[str]
     runs on the ranks' allocator (``learner.jemalloc``): a forked rank keeps its parent's."""
     if not (cfg.run.fork_learners and not gpu and available()):
         return None
-    from asyncrl.lifetime import jemalloc_env
-
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # DeepSpeed's accelerator: the preload's
-    env = (jemalloc_env(env) or env) if cfg.learner.jemalloc else env
+    # DeepSpeed's accelerator: the preload's; a missing jemalloc: the launcher says so, for the ranks' own
+    env = learner_env(child_env(os.environ), cfg.learner.jemalloc)
     server = ForkServer(["asyncrl.learners.preload"], env, logs / "forkserver-learners.log", say)
     server.start()
     return server

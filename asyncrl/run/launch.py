@@ -41,7 +41,7 @@ from asyncrl.fleet.redis_server import free_loopback_port
 from asyncrl.fleet.rendezvous import engine_env, publish_run, wait_for_leaves, watch_fleet
 from asyncrl.keys import MASTER_FIELD
 from asyncrl.learners.checkpoint import read_committed, remove_uncommitted
-from asyncrl.lifetime import Child, die_with, exit_soon, jemalloc_env, live_processes, signal_processes, stop_processes
+from asyncrl.lifetime import Child, die_with, exit_soon, live_processes, signal_processes, stop_processes
 from asyncrl.net import interface_of, is_loopback, url_address
 from asyncrl.observe.metrics import DiskFull
 from asyncrl.run.disk import Reserve, check_full_disk, run_error
@@ -142,22 +142,9 @@ class Launcher:
         return self.redis.url
 
     def child_env(self, url: str, prefix: str) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(ASYNCRL_REDIS_URL=url, ASYNCRL_PREFIX=prefix, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env = lifetime.child_env(os.environ)
+        env.update(ASYNCRL_REDIS_URL=url, ASYNCRL_PREFIX=prefix)
         env[SECRET_ENV] = self.secret  # the environment, never the command line: ps shows that
-        # JIT-built ops (DeepSpeed's CPU shm allreduce) per environment: one machine-wide cache is
-        # rebuilt (minutes) whenever another checkout's environment used it last
-        env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-        return env
-
-    def learner_env(self, base: dict[str, str]) -> dict[str, str]:
-        """The learner ranks' environment: ``base``, on jemalloc where asked and installed."""
-        if not self.cfg.learner.jemalloc:
-            return base
-        env = jemalloc_env(base)
-        if env is None:
-            self.log("learner.jemalloc: no libjemalloc.so.2 (apt install libjemalloc2); learners use glibc malloc")
-            return base
         return env
 
     def place_gpus(self) -> GpuPlan:
@@ -174,7 +161,7 @@ class Launcher:
     def spawn(self, config_path: Path, url: str, prefix: str) -> None:
         cfg, logs = self.cfg, self.run_dir / "logs"
         base = self.child_env(url, prefix)
-        learner_env = self.learner_env(base)
+        learner_env = lifetime.learner_env(base, cfg.learner.jemalloc, self.log)
         master_port = str(free_loopback_port())
         local = cfg.run.learners - cfg.run.remote_learners
         affinity = getattr(os, "sched_getaffinity", None)  # Linux: the cores this launcher may use

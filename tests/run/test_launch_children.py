@@ -12,7 +12,7 @@ from demo_launch import DEMO
 
 from asyncrl.config import load_config
 from asyncrl.errors import UserError
-from asyncrl.lifetime import JEMALLOC_CONF, Child, jemalloc_env
+from asyncrl.lifetime import JEMALLOC_CONF, Child, jemalloc_env, learner_env
 from asyncrl.run.launch import Launcher, core_plan
 
 
@@ -46,7 +46,7 @@ def test_launched_learners_run_on_jemalloc_unless_told_not_to(tmp_path):
     of the user's), and the process really runs on it."""
     base = {"PATH": "/usr/bin:/bin", "LD_PRELOAD": ""}
     cfg = load_config(DEMO, {"run.out_dir": str(tmp_path)})
-    env = Launcher(cfg).learner_env(base)
+    env = learner_env(base, cfg.learner.jemalloc)
     assert env is not base and "jemalloc" in env["LD_PRELOAD"], "no libjemalloc.so.2: run scripts/setup.sh"
     assert "jemalloc" in _maps_of_child(env)
     assert "jemalloc" not in _maps_of_child(base)
@@ -57,7 +57,7 @@ def test_launched_learners_run_on_jemalloc_unless_told_not_to(tmp_path):
     assert "<jemalloc>" in bad.stderr  # the check above can fail
     assert jemalloc_env({"MALLOC_CONF": "narenas:1"})["MALLOC_CONF"] == "narenas:1"  # the user's wins
     off = load_config(DEMO, {"run.out_dir": str(tmp_path), "learner.jemalloc": False})
-    assert Launcher(off).learner_env(base) is base
+    assert learner_env(base, off.learner.jemalloc) is base
 
 
 def test_without_jemalloc_learners_keep_the_system_malloc_and_the_launcher_says_so(tmp_path, monkeypatch):
@@ -65,10 +65,8 @@ def test_without_jemalloc_learners_keep_the_system_malloc_and_the_launcher_says_
 
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
     said = []
-    launcher = Launcher(load_config(DEMO, {"run.out_dir": str(tmp_path)}))
-    launcher.log = said.append
     base = {"PATH": "/usr/bin:/bin"}
-    assert launcher.learner_env(base) is base
+    assert learner_env(base, load_config(DEMO, {"run.out_dir": str(tmp_path)}).learner.jemalloc, said.append) is base
     assert len(said) == 1 and "apt install libjemalloc2" in said[0]
 
 
