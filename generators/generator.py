@@ -138,7 +138,7 @@ class Generator:
             log.warning(
                 "%d eval prompts do not fit the model's context: left out", len(eval_records) - len(self.eval_set)
             )
-        self.due_evals = eval_points(cfg.run.steps, cfg.run.eval_every) if cfg.generator.eval else set()
+        self.due_evals = eval_points(cfg.run.steps, cfg.run.eval_every) if cfg.evaluates else set()
         self.due_samples = set(range(0, cfg.run.steps + 1, SAMPLE_EVERY))  # training samples (samples.jsonl)
         g, stops = cfg.generator, tuple(self.chat.stop_token_ids)
         self.sampling = turn_sampling(g, stops)

@@ -59,6 +59,11 @@ class Config(Section):
     def run_dir(self) -> Path:
         return Path(self.run.out_dir) / self.run.name
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether the generators evaluate the policy on held-out prompts (``generator.eval`` and ``data.eval``)."""
+        return self.generator.eval and self.data.eval is not None
+
 
 # Fields that moved when backends became typed sections: old dotted name -> new one. A config that
 # still uses an old name gets one error naming the new one.

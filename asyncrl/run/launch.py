@@ -458,7 +458,6 @@ class Launcher:
         deadline = time.monotonic() + cfg.run.timeout_s
         with Progress(self.console, cfg.run.steps) as progress:
             learners_done_at = None
-            evaluates = cfg.generator.eval and cfg.data.eval is not None  # else there is no final eval to wait for
             while True:
                 self.check_redis()  # first: every client of the run waits on it, the launcher too
                 for chore in self.chores:
@@ -477,7 +476,7 @@ class Launcher:
                         raise
                     continue  # our redis-server died during this tick: check_redis restarts it at once
                 if learners_done_at is not None:
-                    if self.stats.final_eval_reward is not None or not evaluates:
+                    if self.stats.final_eval_reward is not None or not cfg.evaluates:
                         return "completed", 0
                     if time.monotonic() - learners_done_at > FINAL_EVAL_TIMEOUT_S:
                         raise UserError("the learners finished but no generator ran the final evaluation")

@@ -46,6 +46,13 @@ def test_cross_field_rule_groups_divisible_by_learners():
         load_config(None, {"run.learners": 3, "learner.groups_per_step": 8})
 
 
+def test_a_run_evaluates_when_its_generators_may_and_it_has_held_out_prompts():
+    """What the engine's slots, the generators' eval points and the launcher's wait for the final eval all read."""
+    assert load_config(DEMO).evaluates
+    assert not load_config(DEMO, {"generator.eval": False}).evaluates
+    assert not load_config(DEMO, {"data.eval": None}).evaluates
+
+
 def test_config_is_frozen():
     cfg = Config()
     with pytest.raises(ValidationError, match="frozen"):
