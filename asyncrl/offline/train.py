@@ -52,7 +52,7 @@ from asyncrl.learners.offline_losses import (
     response_logprobs,
     sft_loss,
 )
-from asyncrl.lifetime import exit_after_collectives
+from asyncrl.lifetime import exit_after_collectives, starting_up
 from asyncrl.observe.metrics import JsonlSink, Sinks, TensorBoardSink, setup_logging
 from asyncrl.offline.data import Example, load_examples
 from asyncrl.rewards.model import REWARD_HEAD, SETTINGS
@@ -261,9 +261,10 @@ class Progress:
 
 
 def run(cfg: OfflineConfig, mode: str, run_dir: Path) -> None:
-    trainer = Trainer(cfg, mode, dist.get_rank(), dist.get_world_size())
     ckpt_dir, every = run_dir / "checkpoint", cfg.run.eval_every or cfg.run.steps
-    restored = load_committed(trainer.engine, ckpt_dir)  # after DPO's reference pass: the initial policy's
+    with starting_up():  # the collector's passes left for the end of set-up (asyncrl.lifetime)
+        trainer = Trainer(cfg, mode, dist.get_rank(), dist.get_world_size())
+        restored = load_committed(trainer.engine, ckpt_dir)  # after DPO's reference pass: the initial policy's
     start = 0 if restored is None else restored[0]
     progress = Progress(mode, cfg.run.steps, run_dir, trainer.rank, start)
     if restored is not None:
