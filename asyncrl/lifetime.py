@@ -170,12 +170,13 @@ def stop_exit_code(stop: KeyboardInterrupt) -> int:
 
 @contextlib.contextmanager
 def starting_up():
-    """A learner rank's or a generator's set-up (its lazy imports: DeepSpeed, vLLM; its model and engine) without
-    the garbage collector's automatic passes, then one collection and a freeze. Each pass walks a heap that
-    only grows while a process starts (~7 full passes, 0.5-1 CPU-s of a process started as an interpreter, with
-    vLLM or DeepSpeed); the one at the end frees what set-up left in cycles, and the freeze keeps the survivors
-    (modules, the model's objects) out of every later full pass. A process forked from a fork server
-    (``asyncrl.run.forkserver``) walks only what it made since the fork."""
+    """A learner rank's (an offline one's too) or a generator's set-up (its lazy imports: DeepSpeed, vLLM; its
+    model and engine) without the garbage collector's automatic passes, then one collection and a freeze. Each
+    pass walks a heap that only grows while a process starts (~7 full passes, 0.5-1 CPU-s of a process started
+    as an interpreter, with vLLM or DeepSpeed); the one at the end frees what set-up left in cycles, and the
+    freeze keeps the survivors (modules, the model's objects) out of every later full pass. A process forked
+    from a fork server (``asyncrl.run.forkserver``, whose imports ran with the collector off and were frozen
+    without a collection) walks only what it made since the fork."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
