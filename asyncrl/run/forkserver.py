@@ -74,7 +74,7 @@ def generators_fork_server(cfg: Config, gpu: bool, logs: Path, say: Callable[[st
     from asyncrl.generators.engine import preload_modules
 
     # what the imports may read of the environment, as every generator has it (its own replaces it after the fork)
-    env = {**child_env(os.environ), **engine_env(cfg.generator.engine, None)}
+    env = {**child_env(os.environ), **engine_env(None)}
     server = ForkServer(preload_modules(cfg.generator.engine, gpu), env, logs / "forkserver.log", say)
     server.start()
     return server

@@ -29,7 +29,7 @@ def cmd_generator(args) -> int:
         print(f"asyncrl generator: {exc}", flush=True)
         return 0
     ident = args.id or control.new_id("generator", socket.gethostname().split(".")[0])
-    for key, value in engine_env(cfg.generator.engine, None).items():
+    for key, value in engine_env(None).items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from asyncrl.generators.worker import serve

@@ -191,7 +191,7 @@ class Launcher:
             self.children.append(Child("learner", rank, cmd, env, log_path, cpus=pin, forks=self.forks.get("learner")))
         for i in range(cfg.run.generators):
             core = generator_cores[i]
-            env = dict(base, **engine_env(cfg.generator.engine, core=core), **self.gpus.generator_env(i))
+            env = dict(base, **engine_env(core=core), **self.gpus.generator_env(i))
             log_path = logs / f"generator-{i}.log"
             cmd = [sys.executable, "-m", "asyncrl.generators.worker", "--config", str(config_path), "--id", str(i)]
             cmd += ["--log-file", str(log_path)]

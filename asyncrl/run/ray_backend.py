@@ -385,7 +385,7 @@ class RayLauncher(Launcher):
         for i in range(cfg.run.generators):
             log_path = logs / f"generator-{i}.log"
             cmd = ["python", "-m", "asyncrl.generators.worker", "--config", config, "--id", str(i)]
-            env = engine_env(cfg.generator.engine, core=i % ncpu)
+            env = engine_env(core=i % ncpu)
             child = RayChild(GENERATOR, i, [*cmd, "--log-file", str(log_path)], env, log_path, nice=self.generator_nice)
             restarts = cfg.run.max_generator_restarts + cfg.learner.max_restarts
             named = remote.options(name=f"{run_id}/{child.name}", max_restarts=restarts, **options)

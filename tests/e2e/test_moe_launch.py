@@ -6,7 +6,6 @@ in transformers and in vLLM with no weight left out."""
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 
@@ -62,7 +61,6 @@ def test_the_moe_export_loads_in_transformers_and_vllm(run_dir):
     export = run_dir / "export"
     model, info = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched weight
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cfg = load_config(None, {"model.path": str(export), "model.recipe": None})
     engine = VllmEngine(cfg.generator.engine, cfg.model, 4, seed=0, extension=PlainParamsExtension)
     ids = list(range(40, 70))

@@ -8,7 +8,6 @@ which they could not if a generator kept an older tower."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -73,7 +72,6 @@ def test_the_export_loads_in_transformers_and_vllm_with_the_frozen_tower_as_warm
     language = language_names(model)
     trained = {k for k, v in model.state_dict().items() if not torch.equal(v, start[k])}
     assert trained and trained <= language  # the tower and connector exactly as the warm-up left them
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cfg = load_config(None, {"model.path": str(export), "model.recipe": None})
     engine = VllmEngine(cfg.generator.engine, cfg.model, 4, seed=0, extension=PlainParamsExtension)
     ids = list(range(40, 70))

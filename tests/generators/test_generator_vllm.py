@@ -55,7 +55,6 @@ def cfg(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(cfg):
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return VllmEngine(cfg.generator.engine, cfg.model, 64, seed=0, extension=PlainParamsExtension)
 
 
