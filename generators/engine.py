@@ -91,6 +91,44 @@ def context_length(model_path: str, max_model_len: int | None = None) -> int:
     return max_model_len
 
 
+KV_BLOCK_TOKENS = 256  # a sequence's KV is held in whole blocks: none of vLLM's CPU attention backends' is larger
+_KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def cpu_kv_cache_bytes(model: ModelConfig, max_num_seqs: int, max_model_len: int, engine: VllmEngineConfig) -> int:
+    """vLLM's KV cache on CPU for one generator: room for ``max_num_seqs`` sequences of ``max_model_len`` tokens
+    at once, each in whole blocks (and one more, vLLM's null block), at most ``engine.kv_cache_gb``. Given the
+    ceiling alone, vLLM takes all of it and faults every page in as it starts: the demo's model fills 100 MB of
+    its 1 GiB, and the other 0.9 GiB cost ~0.5 CPU-s at each engine start (262k page faults, 2 GiB of memory
+    on a 2-generator run). A model whose cache per token cannot be read off its config (layers that are not
+    attention, such as state-space or linear-attention ones) gets the ceiling."""
+    ceiling = engine.kv_cache_gb << 30
+    per_token = kv_bytes_per_token(model.path, model.dtype)
+    if per_token is None:
+        return ceiling
+    blocks = -(-max_model_len // KV_BLOCK_TOKENS)
+    return min(ceiling, (max_num_seqs + 1) * blocks * KV_BLOCK_TOKENS * per_token)
+
+
+def kv_bytes_per_token(model_path: str, dtype: str) -> int | None:
+    """Keys and values of one token over every layer (heads x head size x 2, in ``dtype``), or None where the
+    model's language config has layers other than attention, or does not say its heads."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_path).get_text_config()
+    layer_types = set(getattr(text, "layer_types", None) or ())
+    if layer_types - {"full_attention", "sliding_attention"} or any("mamba" in k or "ssm" in k for k in vars(text)):
+        return None
+    layers, heads, hidden = (
+        getattr(text, k, None) for k in ("num_hidden_layers", "num_attention_heads", "hidden_size")
+    )
+    if not (layers and heads and hidden):
+        return None
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    return layers * 2 * kv_heads * head_dim * _KV_BYTES[dtype]
+
+
 def fits(prompt_len: int, max_new_tokens: int, max_model_len: int) -> bool:
     """Whether a prompt of ``prompt_len`` tokens leaves room for a full completion."""
     return prompt_len + max_new_tokens <= max_model_len

@@ -1,12 +1,12 @@
 """vLLM's KV cache on CPU: sized to what a generator's sequences can fill at once, not to the whole ceiling
-(``generators.vllm_engine.cpu_kv_cache_bytes``)."""
+(``generators.engine.cpu_kv_cache_bytes``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.generators.vllm_engine import KV_BLOCK_TOKENS, cpu_kv_cache_bytes, kv_bytes_per_token
+from asyncrl.generators.engine import KV_BLOCK_TOKENS, cpu_kv_cache_bytes, kv_bytes_per_token
 
 
 def _llama(path, **kw):
