@@ -92,7 +92,6 @@ def context_length(model_path: str, max_model_len: int | None = None) -> int:
 
 
 KV_BLOCK_TOKENS = 256  # a sequence's KV is held in whole blocks: none of vLLM's CPU attention backends' is larger
-_KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def cpu_kv_cache_bytes(model: ModelConfig, max_num_seqs: int, max_model_len: int, engine: VllmEngineConfig) -> int:
@@ -113,6 +112,7 @@ def cpu_kv_cache_bytes(model: ModelConfig, max_num_seqs: int, max_model_len: int
 def kv_bytes_per_token(model_path: str, dtype: str) -> int | None:
     """Keys and values of one token over every layer (heads x head size x 2, in ``dtype``), or None where the
     model's language config has layers other than attention, or does not say its heads."""
+    import torch
     from transformers import AutoConfig
 
     text = AutoConfig.from_pretrained(model_path).get_text_config()
@@ -126,7 +126,7 @@ def kv_bytes_per_token(model_path: str, dtype: str) -> int | None:
         return None
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or hidden // heads
-    return layers * 2 * kv_heads * head_dim * _KV_BYTES[dtype]
+    return layers * 2 * kv_heads * head_dim * getattr(torch, dtype).itemsize
 
 
 def fits(prompt_len: int, max_new_tokens: int, max_model_len: int) -> bool:
