@@ -141,9 +141,9 @@ def cmd_launch(args) -> int:
 
 def _status_parser(sub) -> None:
     p = sub.add_parser("status", help="show a run's versions, buffer, learners and generators")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--run", help="run directory (runs/<name>); works after the run ended too")
-    where.add_argument("--redis-url", help="read the run on this Redis server instead")
+    p.add_argument("run_pos", nargs="?", metavar="RUN", help="the run: its name or its directory (runs/<name>)")
+    p.add_argument("--run", help="the same as RUN: a run name or directory; works after the run ended too")
+    p.add_argument("--redis-url", help="read the run on this Redis server instead")
     p.add_argument(
         "--prefix", help="the run's key prefix, asyncrl:{<run-id>}: (with --redis-url; default: its only run)"
     )
@@ -155,10 +155,15 @@ def cmd_status(args) -> int:
     import json
 
     from asyncrl.observe.status import render, status
+    from asyncrl.rundir import find_run_dir
 
-    if args.prefix and args.run:
+    named = [r for r in (args.run_pos, args.run) if r is not None]
+    if len(named) + (args.redis_url is not None) != 1:
+        raise UserError("asyncrl status takes one run: its name or directory (RUN or --run), or --redis-url")
+    if args.prefix and named:
         raise UserError("--prefix goes with --redis-url; a run directory names its own prefix")
-    snapshot = status(run=args.run, redis_url=args.redis_url, prefix=args.prefix)
+    run = find_run_dir(named[0]) if named else None
+    snapshot = status(run=run, redis_url=args.redis_url, prefix=args.prefix)
     if args.json:
         print(json.dumps(snapshot, indent=2))
     else:

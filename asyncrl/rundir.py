@@ -20,6 +20,25 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+RUNS_DIR = "runs"  # run.out_dir's default: where ``asyncrl launch`` puts runs/<name>
+
+
+def find_run_dir(name_or_path: str | Path, runs_dir: str | Path = RUNS_DIR) -> Path:
+    """The run directory a user named: a path to one (``runs/x``, ``/abs/runs/x``) or a run's name as ``launch``
+    names runs (``x``: ``runs/x``); a path wins where both exist. UserError naming both places when neither
+    holds a ``run.json``."""
+    given = Path(name_or_path)
+    candidates = [given]
+    if len(given.parts) == 1 and given.name not in (".", ".."):
+        candidates.append(Path(runs_dir) / given)
+    for path in candidates:
+        if (path / "run.json").is_file():
+            return path
+    if len(candidates) == 1:
+        raise UserError(f"no run at {given}: run.json not found")
+    raise UserError(f"no run named {name_or_path}: neither {given} nor {candidates[1]} holds a run.json")
+
+
 def read_run_info(run_dir: Path) -> dict:
     path = run_dir / "run.json"
     if not path.is_file():

@@ -125,10 +125,10 @@ def write_run_dir(run_dir: Path, url: str, prefix: str, launcher_pid: int | None
     return run_dir
 
 
-def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 60, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "status", *args],
-        cwd=ROOT,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -231,6 +231,35 @@ def test_missing_run_json_is_a_one_line_error(tmp_path):
     out = cli("--run", str(tmp_path / "nope"))
     assert out.returncode == 2 and out.stderr.startswith("asyncrl: error: no run at ")
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize(
+    "args",
+    [("demo",), ("runs/demo",), ("--run", "demo"), ("--run", "runs/demo"), ("{abs}",), ("--run", "{abs}")],
+    ids=["name", "path", "--run name", "--run path", "absolute", "--run absolute"],
+)
+def test_a_run_is_named_as_launch_names_it_or_by_its_directory(redis_server, tmp_path, args):
+    """``asyncrl status demo`` reads runs/demo, as ``asyncrl launch --name demo`` wrote it; a path works too."""
+    prefix = new_prefix()
+    fill(redis_server.url, prefix)
+    run_dir = write_run_dir(tmp_path / "runs" / "demo", redis_server.url, prefix, os.getpid(), None)
+    out = cli(*(a.format(abs=run_dir) for a in args), "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    check_numbers(json.loads(out.stdout), prefix, alive=True)
+
+
+def test_a_run_name_that_is_nowhere_names_both_places_in_one_line(tmp_path):
+    for args in [("nope",), ("--run", "nope")]:
+        out = cli(*args, cwd=tmp_path)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip() == "asyncrl: error: no run named nope: neither nope nor runs/nope holds a run.json"
+
+
+def test_status_takes_one_run(tmp_path):
+    for args in [(), ("a", "--run", "b"), ("a", "--redis-url", "redis://127.0.0.1:1/0")]:
+        out = cli(*args, cwd=tmp_path)
+        assert out.returncode == 2 and "asyncrl status takes one run" in out.stderr, (args, out.stderr)
 
 
 def test_unreachable_server_without_a_data_dir_is_an_error(tmp_path):
