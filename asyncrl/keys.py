@@ -24,7 +24,9 @@ key                 type                  contents
                                           ``tied`` (the model's tied names, JSON), ``probe:<v>`` (the
                                           learner's probe log-probs of version v, JSON; eight kept),
                                           ``probe_diff:<v>`` (the largest probe difference a generator
-                                          found at version v; eight kept)
+                                          found at version v; eight kept); ``starting:<role>-<id>``
+                                          (what a starting process waits for and since when, JSON;
+                                          removed once it is up)
 ``P hb:<role>:<id>``hash, expires         heartbeat of one process: version served, pid, time
 ``P seen:<role>``   hash                  every process ever seen: id -> its last heartbeat (JSON)
 ``P staleness``     hash                  staleness of trained groups: steps behind -> groups
@@ -57,6 +59,11 @@ REDIS_FIELD = "redis_address"  # host:port, as other hosts reach it
 MASTER_FIELD = "learner_master"  # host:port of the learners' rendezvous, when ranks join from other hosts
 
 RUN_MARKERS = ("version", "counters", "traj")
+
+
+def starting_field(role: str, ident: int | str) -> str:
+    """The metadata field that says what a starting process waits for (``asyncrl.learners.worker.start_phase``)."""
+    return f"starting:{role}-{ident}"
 
 
 def run_prefix(run_id: str) -> str:

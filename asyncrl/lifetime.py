@@ -23,6 +23,7 @@ import ctypes
 import dataclasses
 import functools
 import gc
+import hashlib
 import logging
 import os
 import signal
@@ -67,10 +68,17 @@ def child_env(environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` as every learner rank and generator of a launch has it, before the run's own (its Redis, its
     secret: the launcher's ``child_env``); the fork servers import in it (``asyncrl.run.forkserver``)."""
     env = {**environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    # JIT-built ops (DeepSpeed's CPU shm allreduce) per environment: one machine-wide cache is
-    # rebuilt (minutes) whenever another checkout's environment used it last
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
     return env
+
+
+def torch_extensions_dir() -> Path:
+    """Where JIT-built ops (DeepSpeed's CPU shm allreduce: ``asyncrl.learners.ops``) are built and cached: one
+    folder per environment, and per path it is reached by. torch's build names the sources and include folders
+    by that path, and ninja rebuilds (a minute) when a build's command changed: one machine-wide cache was
+    rebuilt whenever another checkout's environment used it last, one per environment whenever the same
+    environment was reached by another path (a symlink) than last time."""
+    return Path(sys.prefix) / "torch_extensions" / hashlib.sha256(sys.prefix.encode()).hexdigest()[:8]
 
 
 def learner_env(base: dict[str, str], jemalloc: bool, say: Callable[[str], None] | None = None) -> dict[str, str]:

@@ -19,6 +19,7 @@ import os
 import shutil
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from asyncrl.learners.batching import add_head_grad_in_place
 from asyncrl.learners.checkpoint import read_committed, room_shortfall, write_committed
 from asyncrl.learners.lora import adapter_state, base_model, merged_state, with_lora
 from asyncrl.learners.models import accumulate_tied_lookup_in_place, enable_activation_checkpointing
+from asyncrl.learners.ops import load_cpu_op
 from asyncrl.models.vision import causal_lm_class, freeze_vision, is_vision_model
 from asyncrl.rundir import write_atomic
 from asyncrl.weights.ties import untied
@@ -42,8 +44,10 @@ def hide_triton_without_cuda() -> None:
         sys.modules.setdefault("triton", None)
 
 
-def init_distributed(backend: str) -> None:
-    """Join the learner ranks' default process group; ``backend`` auto = nccl on GPU, gloo on CPU.
+def init_distributed(backend: str, phase: Callable[[str], None] = lambda what: None) -> None:
+    """Join the learner ranks' default process group; ``backend`` auto = nccl on GPU, gloo on CPU. On CPU,
+    DeepSpeed's shared-memory op is built first if need be (``asyncrl.learners.ops``); ``phase(what)`` is
+    told what the rank waits for.
 
     Rendezvous through ``MASTER_ADDR:MASTER_PORT`` (the launcher's environment). torch's own env://
     rendezvous makes rank 0's TCPStore listen on every interface, unauthenticated, whatever
@@ -53,9 +57,11 @@ def init_distributed(backend: str) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        load_cpu_op(phase)  # DeepSpeed's comm backend then takes it from its cache
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    phase(f"meeting the learner ranks ({world} in all) at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     store = rendezvous_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 

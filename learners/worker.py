@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -44,6 +45,7 @@ from asyncrl.config import AlgorithmConfig, Config, LearnerConfig, ModelConfig, 
 from asyncrl.config.presets import Preset
 from asyncrl.control import RunControl, connect
 from asyncrl.data import load_jsonl
+from asyncrl.keys import starting_field
 from asyncrl.learners.advantages import overlong_penalty
 from asyncrl.learners.batching import model_logprobs, pad_batch
 from asyncrl.learners.engine import (
@@ -267,7 +269,19 @@ def restore(models: Models, consumer: BatchConsumer, ckpt_dir: Path, rank: int) 
     return version
 
 
-def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None:
+def start_phase(control: RunControl, rank: int) -> Callable[[str], None]:
+    """``phase(what)``: what this rank waits for while it starts, in its log and in the run's metadata (until it
+    is up: :func:`run`), where the launcher reads it about a rank that is not up in time (``asyncrl.keys``)."""
+    field = starting_field("learner", rank)
+
+    def phase(what: str) -> None:
+        log.info("start-up: %s", what)
+        control.set_meta(field, json.dumps({"what": what, "since": time.time()}))
+
+    return phase
+
+
+def run(cfg: Config, control: RunControl, buffer, rank: int, world: int, phase=lambda what: None) -> None:
     """The learner rank's loop (the module doc's phases), from its restored version to ``run.steps``."""
     with starting_up():  # the collector's passes left for the end of set-up (asyncrl.lifetime)
         from transformers import AutoTokenizer
@@ -279,6 +293,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         pad_id = tokenizer.pad_token_id
         probe_seq = probe.probe_ids(chat, load_jsonl(cfg.data.train)[0], images.vision if images else None)
         preset = cfg.algorithm.preset
+        phase("loading the model into DeepSpeed")
         models = build_models(cfg.learner, cfg.model, cfg.algorithm, cfg.run.steps)
         engine = models.policy
         keep = published_names(engine, cfg.model)  # a VLM's language model alone, its vision frozen
@@ -294,6 +309,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
         )
         consumer = BatchConsumer(buffer, f"rank{rank}", rules)
         ckpt_dir = cfg.run_dir / "checkpoint"
+        phase("restoring the committed checkpoint, if any")
         start = restore(models, consumer, ckpt_dir, rank)
         if rank == 0:
             log.info("algorithm %s: %s", cfg.algorithm.name, preset)
@@ -309,6 +325,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int) -> None
             buffer.set_version(start)
             publisher.publish(start, state)
             control.set_meta("weights_address", publisher.address)
+    control.forget_meta(starting_field("learner", rank))
     log.info("rank %d ready at version %d", rank, start)  # a start-up phase (scripts/bench/startup.py)
     t_start = time.time()
     timings = Timings()
@@ -453,9 +470,10 @@ def serve(cfg: Config, url: str, prefix: str) -> None:
     control = RunControl(connect(url), prefix)
     buffer = buffers.setup(cfg.buffer, url, prefix)
     hide_triton_without_cuda()
-    init_distributed(cfg.learner.backend)
+    phase = start_phase(control, rank)
+    init_distributed(cfg.learner.backend, phase)
     try:
-        run(cfg, control, buffer, rank, world)
+        run(cfg, control, buffer, rank, world, phase)
     except StopRequested as exc:
         log.info("rank %d: %s", rank, exc)
     finally:

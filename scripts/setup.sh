@@ -41,9 +41,10 @@ if [ ! -f "$stamp" ]; then
   # (after the uninstall above: it imports transformers)
   .venv/bin/python -m asyncrl.models.smollm2 --model >/dev/null
   # DeepSpeed JIT-builds its shared-memory allreduce op at the first learner start on CPU (about
-  # a minute on 2 cores): build it now, so the first run does not stall waiting for it
+  # a minute on 2 cores): build it now, where the launch's ranks look for it and under their lock
+  # (asyncrl/learners/ops.py), so the first run does not stall waiting for it
   if .venv/bin/python -c "import sys, torch; sys.exit(1 if torch.cuda.is_available() else 0)"; then
-    DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}" .venv/bin/python -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()" >/dev/null
+    .venv/bin/python -m asyncrl.learners.ops >/dev/null
   fi
   rm -f .venv/.setup-*
   touch "$stamp"

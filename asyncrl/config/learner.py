@@ -59,3 +59,10 @@ class LearnerConfig(Section):
     max_restarts: int = Field(
         1, ge=0, description="Restarts of the learner ranks (from the last committed checkpoint) before the run fails."
     )
+    start_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="When the learner ranks are not up (the first version published) this long after they "
+        "started, the launcher says in one line what each still waits for (the run goes on waiting: "
+        "run.timeout_s ends it).",
+    )

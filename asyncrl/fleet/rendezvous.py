@@ -14,12 +14,14 @@ lost host), which gives the generator's unpushed groups back to admission.
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 from urllib.parse import quote
 
 from asyncrl.errors import UserError
-from asyncrl.keys import CONFIG_FIELD, REDIS_FIELD
+from asyncrl.keys import CONFIG_FIELD, REDIS_FIELD, starting_field
 
 
 class RunEnded(UserError):
@@ -68,6 +70,20 @@ def wait_for_leaves(control, timeout_s: float, log) -> None:
         return
     if fleet:
         log(f"generators still in the fleet at the end, left to their leases: {', '.join(fleet)}")
+
+
+def still_starting(control, names: list[tuple[str, str, str]]) -> str:
+    """What each of ``names`` ((role, id, log path)) said it waits for while it starts (``starting:<role>-<id>``
+    in the run's metadata, :func:`asyncrl.keys.starting_field`), as one line: ``learner-0: <what> (for N s); ...``."""
+    said = []
+    for role, ident, log_path in names:
+        raw = control.get_meta(starting_field(role, ident))
+        state = json.loads(raw) if raw else None
+        if state is None:
+            said.append(f"{role}-{ident}: has said nothing yet (see {log_path})")
+        else:
+            said.append(f"{role}-{ident}: {state['what']} (for {time.time() - state['since']:.0f} s)")
+    return "; ".join(said)
 
 
 def engine_env(core: int | None) -> dict[str, str]:

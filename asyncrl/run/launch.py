@@ -38,7 +38,7 @@ from asyncrl.config import Config, dump_config
 from asyncrl.control import RunControl, connect
 from asyncrl.errors import UserError
 from asyncrl.fleet.redis_server import free_loopback_port
-from asyncrl.fleet.rendezvous import engine_env, publish_run, wait_for_leaves, watch_fleet
+from asyncrl.fleet.rendezvous import engine_env, publish_run, still_starting, wait_for_leaves, watch_fleet
 from asyncrl.keys import MASTER_FIELD
 from asyncrl.learners.checkpoint import read_committed, remove_uncommitted
 from asyncrl.lifetime import Child, die_with, exit_soon, live_processes, signal_processes, stop_processes
@@ -91,6 +91,7 @@ class Launcher:
         self.fleet: set[str] = set()  # the live generators, as of the last look
         self.reserve = Reserve(self.run_dir)  # room for the end of a run on a full disk
         self.forks: dict[str, ForkServer] = {}  # role -> where its processes are forked from (asyncrl.run.forkserver)
+        self.learners_started, self.learners_started_said = 0.0, False  # when ranks (re)started; check_learners_up
 
     # -- set-up ------------------------------------------------------------------------------------
     def prepare_run_dir(self) -> Path:
@@ -223,6 +224,7 @@ class Launcher:
             return None
         if all(c.proc.poll() == 0 for c in learners):
             return "learners_done"
+        self.check_learners_up(control)
         for c in self.children:
             if c.role == "generator" and c.proc is not None and c.proc.poll() is not None:
                 check_full_disk(self.run_dir, f"{c.name} exited with code {c.proc.returncode}")
@@ -257,6 +259,17 @@ class Launcher:
         a journal (``asyncrl.generators.journal``) are resumed by the next generator with room."""
         self.buffer.release_held(str(c.ident), resume=True)
 
+    def check_learners_up(self, control: RunControl) -> None:
+        """Once the learner ranks are ``learner.start_timeout_s`` late (no version published since they started),
+        one line with what each local rank said it waits for (``asyncrl.learners.worker.start_phase``)."""
+        late = time.monotonic() - self.learners_started
+        if self.learners_started_said or late < self.cfg.learner.start_timeout_s:
+            return
+        self.learners_started_said = True  # once, until a restart
+        if control.get_meta("weights_address") is None:
+            ranks = [(c.role, str(c.ident), str(c.log_path)) for c in self.children if c.role == "learner"]
+            self.log(f"the learner ranks are not up {late:.0f} s after they started: {still_starting(control, ranks)}")
+
     def restart_learners(self, control: RunControl, failed: Child) -> None:
         code = failed.proc.returncode
         self.learner_restarts += 1
@@ -284,6 +297,7 @@ class Launcher:
         self.new_rendezvous()
         for c in self.children:
             c.start()
+        self.learners_started, self.learners_started_said = time.monotonic(), False
         self.write_run_info()
 
     # -- how processes end and meet: a backend's own (asyncrl.run.ray_backend overrides them) -----------
@@ -402,6 +416,7 @@ class Launcher:
                     f"asyncrl generator --redis {self.run_info['redis_address']}"
                 )
             self.spawn(config_path, url, prefix)
+            self.learners_started = time.monotonic()
             # beside the children's start-up, on threads: the prompts' lengths (the tokenizer; transformers where it
             # needs that) and the shared-memory weights of any earlier run on this host whose learner was killed
             self.chores = [in_background(check_prompt_lengths, cfg), in_background(self.remove_stale_weights)]
