@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +25,22 @@ def is_prepared(path: str | Path) -> bool:
 
 
 def prepare_demo_model(
-    path: str | Path, seed: int = 0, log: Callable[[str], Any] = print, recipe: str = RECIPE
+    path: str | Path,
+    seed: int = 0,
+    log: Callable[[str], Any] = print,
+    recipe: str = RECIPE,
+    datasets: Sequence[str | Path] = (),
 ) -> Path:
     """Build, warm up and save the ``recipe``'s demo model at ``path``; return at once if it is already there.
 
     ``demo-sort`` is built here; ``demo-calc`` and ``demo-guess`` (multi-turn) by ``asyncrl.demo.warmup``;
-    ``demo-shapes`` by ``asyncrl.demo.vlm``, which also needs its shipped data's images: drawn here, cached
-    model or not, as they are not committed. Concurrent callers are safe: each builds in its own temp
-    directory and the first rename wins (image files likewise, see ``shapes.ensure_images``).
+    ``demo-shapes`` by ``asyncrl.demo.vlm``, which also needs its data's images: drawn here, cached model or
+    not, as they are not committed, beside each of ``datasets`` (the run's train and eval files; default the
+    shipped ones). Concurrent callers are safe: each builds in its own temp directory and the first rename
+    wins (image files likewise, see ``shapes.ensure_images``).
     """
     path = Path(path)
-    if recipe == vlm.RECIPE:
-        drawn = sum(shapes.ensure_images(shapes.DATA_DIR / name) for name in shapes.SPLIT_FILES)
-        if drawn:
-            log(f"demo model: drew {drawn} missing images under {shapes.DATA_DIR / 'images'}")
+    ensure_data(recipe, datasets, log)
     if is_prepared(path):
         cached = json.loads((path / RECIPE_FILE).read_text()).get("recipe")
         if cached != recipe:
@@ -56,6 +58,16 @@ def prepare_demo_model(
         model, tokenizer, record = warmup.build(recipe, seed, log)
     _publish(path, model, tokenizer, record, processor)
     return path
+
+
+def ensure_data(recipe: str, datasets: Sequence[str | Path] = (), log: Callable[[str], Any] = print) -> None:
+    """What a recipe's data needs on disk and git does not hold: ``demo-shapes``' images, drawn beside each of
+    ``datasets`` (the run's train and eval files; default the shipped ones) where missing."""
+    if recipe != vlm.RECIPE:
+        return
+    for dataset in datasets or [shapes.DATA_DIR / name for name in shapes.SPLIT_FILES]:
+        if drawn := shapes.ensure_images(dataset):
+            log(f"demo model: drew {drawn} missing images under {Path(dataset).parent / 'images'}")
 
 
 def _portable_tokenizer_class(directory: Path) -> None:

@@ -102,7 +102,9 @@ def record_images(record: dict) -> list:
 
 
 def ensure_images(dataset_path: str | Path) -> int:
-    """Draw every image the dataset file names that is not on disk yet; return how many were written.
+    """Draw every image the dataset file names that is not on disk yet, beside the file (its records name
+    their images relative to its folder); return how many were written. Records without a ``shape`` are not
+    this task's: their images are left to the dataset (the launch's preflight names any that are missing).
 
     Safe for concurrent callers: each writes its own temp file in the image's folder and renames it
     into place (atomic on POSIX), so a reader sees no file or a whole one; a lost race rewrites the
@@ -112,6 +114,8 @@ def ensure_images(dataset_path: str | Path) -> int:
     written = 0
     for line in Path(dataset_path).read_text().splitlines():
         record = json.loads(line)
+        if "shape" not in record or all((root / rel).exists() for rel in record["images"]):
+            continue
         for rel, image in zip(record["images"], record_images(record), strict=True):
             path = root / rel
             if path.exists():

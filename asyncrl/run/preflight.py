@@ -39,6 +39,8 @@ def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = T
     check_model_path(cfg.model)
     check_experts(cfg)
     check_vision_run(cfg)
+    if cfg.model.recipe is None:  # a recipe draws its data's images when the launch builds or finds its model
+        check_images(cfg)
     check_lora(cfg.model)
     if prompts:
         check_prompt_lengths(cfg)
@@ -108,7 +110,18 @@ def preflight(cfg: Config, redis_url: str | None, log=print) -> Config:
     better spent beside the children's start), and the model built or converted if need be. Returns the
     config the run uses (``cfg``, or with ``model.path`` a GGUF's converted directory: see the module's doc)."""
     preflight_light(cfg, redis_url, prompts=False)
-    return ensure_model(cfg, log)
+    cfg = ensure_model(cfg, log)
+    check_images(cfg)  # after the model: a recipe draws its data's images
+    return cfg
+
+
+def check_images(cfg: Config) -> None:
+    """Every image file that a train or eval record names is on disk; else one error naming the first."""
+    from asyncrl.data import load_jsonl
+    from asyncrl.run.vision_checks import check_images_exist
+
+    for path in datasets(cfg):
+        check_images_exist(path, load_jsonl(path))
 
 
 def in_background(chore: Callable[..., None], *args) -> Callable[..., None]:
@@ -296,6 +309,10 @@ def ensure_model(cfg: Config, log=print) -> Config:
     if is_gguf(path):
         directory = str(ensure_converted(path, log=log))
         return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": directory})})
+    if cfg.model.recipe not in (None, smollm2.RECIPE):  # its data's drawn files, beside the run's dataset files
+        from asyncrl.demo.recipes import ensure_data
+
+        ensure_data(cfg.model.recipe, datasets(cfg), log)
     if (path / "config.json").is_file():
         return cfg
     if cfg.model.recipe == smollm2.RECIPE:
@@ -304,5 +321,10 @@ def ensure_model(cfg: Config, log=print) -> Config:
     from asyncrl.demo.recipes import prepare_demo_model
 
     log(f"building the demo model at {path} (once; cached)")
-    prepare_demo_model(path, seed=cfg.run.seed, log=log, recipe=cfg.model.recipe)
+    prepare_demo_model(path, seed=cfg.run.seed, log=log, recipe=cfg.model.recipe, datasets=datasets(cfg))
     return cfg
+
+
+def datasets(cfg: Config) -> list[str]:
+    """The run's prompt files: ``data.train``, and ``data.eval`` where set."""
+    return [path for path in (cfg.data.train, cfg.data.eval) if path is not None]

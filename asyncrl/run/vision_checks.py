@@ -36,16 +36,22 @@ def check_vision_run(cfg: Config) -> None:
         raise UserError(f"{what}: model.lora does not train one yet (its targets would reach the vision tower)")
 
 
+def check_images_exist(dataset: str | Path, records: list[dict]) -> None:
+    """Every image file that ``records`` (``dataset``'s) name exists, relative to the dataset's folder; else one
+    error naming the first missing and how many more."""
+    from asyncrl.data import missing_images
+
+    if missing := missing_images(records, Path(dataset).parent):
+        more = f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""
+        raise UserError(f"{dataset}: image file not found: {missing[0]}{more}")
+
+
 class ImageTokens:
     """How many tokens each record's images add to its prompt, for a dataset of records with images."""
 
     def __init__(self, model_path: str, dataset: str, records: list[dict]):
-        from asyncrl.data import missing_images
-
         self.base_dir = Path(dataset).parent
-        if missing := missing_images(records, self.base_dir):
-            more = f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""
-            raise UserError(f"{dataset}: image file not found: {missing[0]}{more}")
+        check_images_exist(dataset, records)
         if not is_vision_dir(model_path):
             raise UserError(f"{dataset} has records with images, and {model_path} is not a vision-language model")
         from asyncrl.models.vision import VisionInputs

@@ -215,6 +215,42 @@ def test_fresh_models_are_deterministic_for_a_seed(processor):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
+def test_a_launch_from_another_working_directory_draws_beside_the_dataset_its_config_names(tmp_path):
+    """`asyncrl prepare-demo` (the launch's preflight) with the config's relative ``data/shapes/*.jsonl`` read from
+    another working directory: the images go beside THOSE files, none into the package's own tree."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    cwd = tmp_path / "elsewhere"
+    records = [shapes.make_record(random.Random(900_000 + i)) for i in range(6)]
+    records = [r for r in records if not (DATA / r["images"][0]).exists()]  # names the package's tree lacks
+    assert records
+    (cwd / "data" / "shapes").mkdir(parents=True)
+    for name in shapes.SPLIT_FILES:
+        (cwd / "data" / "shapes" / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    model = tmp_path / "model"  # a model already there: only the data is prepared
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg = yaml.safe_load((ROOT / "configs" / "demo-shapes.yaml").read_text())
+    cfg["model"]["path"] = str(model)
+    (tmp_path / "shapes.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "asyncrl.cli", "prepare-demo", "--config", str(tmp_path / "shapes.yaml")]
+    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"drew {len(records)} missing images under data/shapes/images" in out.stdout
+    for r in records:
+        assert (cwd / "data" / "shapes" / r["images"][0]).is_file()
+        assert not (DATA / r["images"][0]).exists()
+
+
+def test_ensure_images_leaves_records_of_other_tasks_alone(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"prompt": "<image>?", "images": ["theirs.png"], "answer": "x"}) + "\n")
+    assert shapes.ensure_images(path) == 0 and not (tmp_path / "theirs.png").exists()
+
+
 # --- the demo model recipe -----------------------------------------------------------------------
 
 

@@ -49,6 +49,18 @@ def test_an_image_missing_on_disk(tmp_path, vlm_dir):
     assert_one_line_error(proc, "image file not found", "gone.png", "(1 more missing)")
 
 
+def test_a_launch_with_an_image_missing_stops_before_anything_starts(tmp_path, vlm_dir):
+    """Not only --dry-run: a launch names the missing image before it makes its run directory or starts a process
+    (before, its learners were already building when the prompt check on its thread found it)."""
+    train = dataset(tmp_path, [red(), red(images=["images/gone.png"])])
+    out = tmp_path / "runs"
+    args = ["--set", f"model.path={vlm_dir}", "--set", "model.recipe=null", "--set", f"data.train={train}"]
+    args += ["--set", "data.eval=null", "--set", "generator.engine.type=vllm", "--set", f"run.out_dir={out}"]
+    proc = asyncrl("launch", "--config", str(DEMO), *args)
+    assert_one_line_error(proc, "image file not found", "gone.png")
+    assert proc.returncode == 2 and not out.exists()
+
+
 def test_a_vlm_without_its_processor(tmp_path, vlm_dir):
     bare = tmp_path / "bare"
     bare.mkdir()
