@@ -186,24 +186,6 @@ class Engine(abc.ABC):
         pass
 
 
-def setup(
-    engine: VllmEngineConfig | HfEngineConfig,
-    model: ModelConfig,
-    max_num_seqs: int,
-    seed: int,
-    max_model_len: int | None = None,
-) -> Engine:
-    """The engine ``engine.type`` names; ``max_num_seqs`` is the most sequences one call runs at once,
-    ``max_model_len`` the context (None: the model's)."""
-    if engine.type == "vllm":
-        from asyncrl.generators.vllm_engine import VllmEngine
-
-        return VllmEngine(engine, model, max_num_seqs, seed, max_model_len=max_model_len)
-    from asyncrl.generators.hf_engine import HfEngine
-
-    return HfEngine(model, seed, max_model_len=max_model_len)
-
-
 def preload_modules(engine: VllmEngineConfig | HfEngineConfig, gpu: bool) -> list[str]:
     """What a generator imports before its engine serves, for a fork server to import once
     (``asyncrl.run.forkserver``): nothing that starts a thread or touches a GPU when imported. With GPUs, torch

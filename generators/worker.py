@@ -19,7 +19,7 @@ import zlib
 from asyncrl import buffers
 from asyncrl.config import Config, load_config
 from asyncrl.control import RunControl, connect
-from asyncrl.generators.engine import setup as setup_engine
+from asyncrl.generators import setup_engine
 from asyncrl.generators.generator import Generator
 from asyncrl.lifetime import NICE_WHEN_UP_ENV, lower_priority, pin_when_up, starting_up
 from asyncrl.observe.metrics import setup_logging

@@ -10,6 +10,7 @@ PPO critic loss), ``kl`` (KL_ESTIMATORS) and ``corrections`` (CORRECTIONS). Thei
 the presets (a name expanding to one piece of each kind plus defaults) are torch-free config:
 ``asyncrl.config.pieces`` and ``asyncrl.config.presets``. ``objective`` composes a preset's pieces into
 one step's losses (split-invariant over ranks); ``models`` builds the reference model and the critic;
+``peak_memory`` keeps a rank's peak memory down (activation checkpointing, gradients added in place);
 ``vision``: a vision-language policy's pixel inputs per batch row and the names each version carries;
 ``records``: a step's metric sums and its ``metrics.jsonl`` record.
 

@@ -29,8 +29,8 @@ from asyncrl.config import LearnerConfig, ModelConfig
 from asyncrl.learners.batching import add_head_grad_in_place
 from asyncrl.learners.checkpoint import read_committed, room_shortfall, write_committed
 from asyncrl.learners.lora import adapter_state, base_model, merged_state, with_lora
-from asyncrl.learners.models import accumulate_tied_lookup_in_place, enable_activation_checkpointing
 from asyncrl.learners.ops import load_cpu_op
+from asyncrl.learners.peak_memory import accumulate_tied_lookup_in_place, enable_activation_checkpointing
 from asyncrl.models.vision import causal_lm_class, freeze_vision, is_vision_model
 from asyncrl.rundir import write_atomic
 from asyncrl.weights.ties import untied

@@ -196,6 +196,121 @@ def test_no_import_circle_between_units():
         )
 
 
+# ----- no import circle between product files -----------------------------------------------------
+# A circle between two files works only while every import on it but one stays lazy (inside a function), and
+# which one imports first decides what the other sees half-built. The unit rule above cannot see one within a
+# package: this one does, file by file.
+
+
+def _module_name(path: Path) -> str:
+    """``asyncrl.generators.engine`` for generators/engine.py; a package's ``__init__.py`` is the package."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] in SOURCE_OF:
+        parts.insert(0, "asyncrl")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of ``tree`` at any depth (inside functions, under try), except those in the body
+    of an ``if TYPE_CHECKING:``, which never run."""
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in typing_only]
+
+
+def _imported_modules(node: ast.Import | ast.ImportFrom, package: str, modules: set[str]) -> set[str]:
+    """The product modules an import statement in ``package`` imports: ``import a.b.c`` the module a.b.c (the
+    longest prefix that is one: its packages' ``__init__`` are not counted); ``from m import x`` m.x where that
+    is a module, else m."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:  # relative: from the package, one level up per dot after the first
+            up = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join(up + ([node.module] if node.module else []))
+        subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+        names = subs if len(subs) == len(node.names) else [*subs, base]
+    found = set()
+    for name in names:
+        parts = name.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        if parts:
+            found.add(".".join(parts))
+    return found
+
+
+def _file_graph() -> dict[Path, dict[Path, int]]:
+    """product file -> {product file it imports: the first line that does}."""
+    files = {_module_name(p): p for p in PRODUCT}
+    graph: dict[Path, dict[Path, int]] = {}
+    for path in PRODUCT:
+        module = _module_name(path)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges: dict[Path, int] = {}
+        for node in sorted(_runtime_imports(ast.parse(path.read_text())), key=lambda n: n.lineno):
+            for other in _imported_modules(node, package, set(files)):
+                edges.setdefault(files[other], node.lineno)
+        graph[path] = edges
+    return graph
+
+
+def _strongly_connected(graph: dict[Path, dict[Path, int]]) -> list[list[Path]]:
+    """Tarjan's strongly connected components of ``graph``, each sorted."""
+    index: dict[Path, int] = {}
+    low: dict[Path, int] = {}
+    stack: list[Path] = []
+    on_stack: set[Path] = set()
+    components: list[list[Path]] = []
+
+    def visit(v: Path) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def test_no_import_circle_between_product_files():
+    """No product file imports itself, or another that leads back to it, counting lazy imports (the usual
+    culprit: a factory in the interface's module importing the implementations, which import the interface;
+    ``asyncrl.buffers`` and ``asyncrl.weights`` keep theirs in the package's ``__init__``)."""
+    graph = _file_graph()
+    circles = [c for c in _strongly_connected(graph) if len(c) > 1 or c[0] in graph[c[0]]]
+    report = [
+        ", ".join(str(p.relative_to(ROOT)) for p in c)
+        + ": "
+        + "; ".join(
+            f"{a.relative_to(ROOT)}:{graph[a][b]} imports {b.relative_to(ROOT)}" for a in c for b in c if b in graph[a]
+        )
+        for c in circles
+    ]
+    assert not circles, "import circles between product files:\n" + "\n".join(report)
+
+
 # ----- paths named in text ------------------------------------------------------------------------
 NAMED_PATH = re.compile(
     r"(?<![\w./-])((?:asyncrl|generators|learners|buffers|tests|scripts|configs|docs|data)/[\w./-]*"

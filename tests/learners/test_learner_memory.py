@@ -15,7 +15,7 @@ from asyncrl.learners.batching import (
     pad_batch,
     sequence_logprobs,
 )
-from asyncrl.learners.models import accumulate_tied_lookup_in_place, enable_activation_checkpointing
+from asyncrl.learners.peak_memory import accumulate_tied_lookup_in_place, enable_activation_checkpointing
 
 VOCAB = 97
 TEMPERATURE = 0.7
@@ -106,9 +106,9 @@ def test_recomputing_by_rows_keeps_values_and_gradients(monkeypatch, positions):
     """``by_rows``: each layer's backward recomputes one sequence at a time here (its masks, rotary
     embeddings and position ids cut to the row); the same log-probs, and gradients over two backward
     passes, with the tied lookup added in place too (the learner's ZeRO 0 float32 set-up)."""
-    import asyncrl.learners.models as models
+    import asyncrl.learners.peak_memory as peak_memory
 
-    monkeypatch.setattr(models, "RECOMPUTE_TOKENS", 1)  # one row at a time
+    monkeypatch.setattr(peak_memory, "RECOMPUTE_TOKENS", 1)  # one row at a time
     batch = ragged_batch()
     ids, mask = batch["input_ids"], batch["attention_mask"]
     extra = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)} if positions else {}
@@ -120,7 +120,7 @@ def test_recomputing_by_rows_keeps_values_and_gradients(monkeypatch, positions):
     enable_activation_checkpointing(model, by_rows=True)
     accumulate_tied_lookup_in_place(model)
     calls = []
-    monkeypatch.setattr(models._RowsRecompute, "apply", lambda *a: calls.append(a[2]) or orig_apply(*a))
+    monkeypatch.setattr(peak_memory._RowsRecompute, "apply", lambda *a: calls.append(a[2]) or orig_apply(*a))
     got = model_logprobs(model, *args, **extra)
     assert calls == [1, 1]  # both layers, a row at a time
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
@@ -132,7 +132,7 @@ def test_recomputing_by_rows_keeps_values_and_gradients(monkeypatch, positions):
         torch.testing.assert_close(p.grad, 2 * expected_grads[name], rtol=1e-5, atol=2e-6, msg=name)
 
 
-orig_apply = __import__("asyncrl.learners.models", fromlist=["_RowsRecompute"])._RowsRecompute.apply
+orig_apply = __import__("asyncrl.learners.peak_memory", fromlist=["_RowsRecompute"])._RowsRecompute.apply
 
 
 @pytest.mark.parametrize("tie", [True, False])
