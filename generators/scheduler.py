@@ -9,7 +9,8 @@ prompt's prefill is shared, one request to add and to track), else as n requests
 sample is its own turn below, with its own tokens, log-probs and versions. The pump's loop, between
 engine steps:
 
-  1. weights - if the ``WeightFeed`` has a newer version (and no evaluation holds the weights), apply
+  1. weights - if the ``WeightFeed`` has a newer version (and no evaluation holds the weights: one that
+               comes during a hold is taken and waits for its end, ``weights/held_seconds``), apply
                it as ``generator.engine.on_weight_update`` says, and score the feed's probe
                (``asyncrl.observe.probe``) with it: in the next step, with the turns, where the engine
                can (``Engine.scores_alongside``), else at once, alone in the engine:
@@ -83,6 +84,8 @@ class EnginePump:
         self._applying = False
         self._step: asyncio.Future | None = None
         self._waiting: WeightUpdate | None = None  # wait mode: an update deferred until turns finish
+        self._held: WeightUpdate | None = None  # the newest update that came while an evaluation held the weights
+        self._held_since: float | None = None  # ... since when one waited (monotonic): weights/held_seconds
         self._probing = False  # the probe of the served version is in the engine, scored by the next step
         self.busy_s = 0.0  # engine had requests
         self.idle_s = 0.0  # engine had none
@@ -132,7 +135,7 @@ class EnginePump:
         between updates, so ``version`` read inside is the one every turn will be sampled with. Under
         ``wait``, an update held back for the running turns lands first: held, it never would, and no
         new turn (the holder's included) would ever start."""
-        while self._applying or self._waiting is not None:
+        while self._applying or self._waiting is not None or self._held is not None:
             await asyncio.sleep(0.01)
         self._holds += 1
         try:
@@ -215,15 +218,19 @@ class EnginePump:
                     del self._live[out.request_id]
 
     async def _weights(self, loop) -> None:
-        if self._holds:
+        if self._holds:  # taken (the newest), to be applied when the hold ends; how long it waited is logged
+            if (newer := self.feed.newer()) is not None:
+                self._held, self._held_since = newer, self._held_since or time.monotonic()
             return
-        update = self._waiting or self.feed.newer()
+        update = self._held or self._waiting or self.feed.newer()
         if update is None:
             return
         if self.on_update == "wait" and self._live:
-            self._waiting = update  # applied once the running turns finish
+            self._waiting, self._held = update, None  # applied once the running turns finish
             return
-        self._waiting = None
+        self._waiting = self._held = None
+        held = time.monotonic() - self._held_since if self._held_since is not None else 0.0
+        self._held_since = None
         self._drop_probe()  # still unscored (its prefill split over steps): it would see two versions
         running = [t for turns in self._live.values() for t in turns if not t.finished]  # split per sample
         self.engine.abort_requests(list(self._live))
@@ -240,7 +247,7 @@ class EnginePump:
             elif self.feed.probe_ids:  # nothing runs in the engine now: the probe has it to itself
                 probe = await loop.run_in_executor(self._thread, self.engine.score, self.feed.probe_ids)
             routing = self.engine.probe_routing if probe is not None else None
-            self.feed.applied(update, seconds, probe, routing, probe_to_come=self._probing)
+            self.feed.applied(update, seconds, probe, routing, probe_to_come=self._probing, held_seconds=held)
         finally:
             self._applying = False
         for turn in running:  # only continue | abort get here with running turns

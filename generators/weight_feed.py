@@ -7,9 +7,9 @@ generator's engine pump, between engine steps. Nothing calls back into the gener
 Invariants: ``version`` is the version the engine serves; it only moves forward, and only through
 ``applied``, after the engine holds that version's tensors. ``newer`` returns only complete,
 verified versions (the subscriber's guarantee) newer than ``version``. Metrics: every applied version
-logs ``generator/version`` and ``weights/*`` (apply time, receive-to-apply time, publish and apply
-wall clocks, bytes) and beats the heartbeat with its checksum; a change of the subscriber's
-rejection count logs ``weights/rejected``.
+logs ``generator/version`` and ``weights/*`` (apply time, receive-to-apply time and how much of it an
+evaluation held the weights, publish and apply wall clocks, bytes) and beats the heartbeat with its
+checksum; a change of the subscriber's rejection count logs ``weights/rejected``.
 """
 
 from __future__ import annotations
@@ -85,11 +85,12 @@ class WeightFeed:
         probe: list[float] | None = None,
         routing: list | None = None,
         probe_to_come: bool = False,
+        held_seconds: float = 0.0,
     ) -> None:
         """The engine serves ``update`` now; loading it took ``seconds``; ``probe``: the engine's
         log-probs of ``probe_ids`` with it, and ``routing`` its expert choices there (a mixture of experts);
         ``probe_to_come``: the engine scores the probe with its next step, and the version's record waits
-        for it (``probed``)."""
+        for it (``probed``); ``held_seconds``: how long it waited for an evaluation that held the weights."""
         self._log_pending()
         self.version = update.version
         self._heartbeat(version=self.version, checksum=update.checksum)
@@ -98,6 +99,7 @@ class WeightFeed:
             "generator/version": self.version,
             "weights/apply_seconds": seconds,
             "weights/receive_to_apply_seconds": now - update.received_at,
+            "weights/held_seconds": held_seconds,  # of those, behind an evaluation (it sees one version)
             "weights/published_at": update.published_at,
             "weights/applied_at": now,
             "weights/bytes": update.nbytes,

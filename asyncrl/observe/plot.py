@@ -162,6 +162,9 @@ def panel_sync(ax, runs, colors) -> None:
     ax.set_ylabel("seconds")
     if not _xy(ax, runs, colors, ("weights/version", "weights/sync_seconds"), False, marker=".", lw=1):
         _empty(ax, "no weight sync records")
+        return
+    # of which the last generator waited for an evaluation holding its weights (dotted: eval points' spikes)
+    _xy(ax, runs, colors, ("weights/version", "weights/sync_held_seconds"), False, lw=1, ls=":")
 
 
 def panel_buffer(ax, runs, colors) -> None:

@@ -20,7 +20,9 @@ from asyncrl.rundir import write_atomic
 
 class WeightSync:
     """``weights/sync_seconds``: from the learner's step end that made version v to the moment every
-    live generator serves v or newer (a generator may skip versions: newest wins).
+    live generator serves v or newer (a generator may skip versions: newest wins); ``weights/sync_held_seconds``:
+    how long the last of them to serve it had waited for an evaluation holding its weights (at an eval point,
+    most of the figure: an evaluation sees one version).
 
     Times are wall clocks of different processes on one host. A generator is live while its last
     record is younger than ``live_s``; one that died does not hold the figure back.
@@ -29,7 +31,7 @@ class WeightSync:
     def __init__(self, live_s: float = 30.0):
         self.live_s = live_s
         self.step_end: dict[int, float] = {}  # version -> learner wall clock at the end of its step
-        self.serving: dict[str, list[tuple[int, float]]] = {}  # generator -> (version, applied at)
+        self.serving: dict[str, list[tuple[int, float, float]]] = {}  # generator -> (version, applied at, held s)
         self.last_seen: dict[str, float] = {}
         self.done: set[int] = set()
 
@@ -39,7 +41,12 @@ class WeightSync:
         if source.startswith("generator/"):
             self.last_seen[source] = record.get("time", time.time())
             if "weights/applied_at" in record:
-                self.serving.setdefault(source, []).append((record["generator/version"], record["weights/applied_at"]))
+                applied = (
+                    record["generator/version"],
+                    record["weights/applied_at"],
+                    record.get("weights/held_seconds", 0),
+                )
+                self.serving.setdefault(source, []).append(applied)
         if "time/step_end_at" in record:
             version = record["learner/version"]
             self.step_end[version] = record["time/step_end_at"]
@@ -52,11 +59,16 @@ class WeightSync:
         for version, end in sorted(self.step_end.items()):
             if version in self.done or not live:
                 continue
-            served = [min((t for v, t in self.serving[g] if v >= version and t >= end), default=None) for g in live]
-            if any(t is None for t in served):
+            served = [min(((t, h) for v, t, h in self.serving[g] if v >= version and t >= end), default=None)
+                      for g in live]  # fmt: skip
+            if any(s is None for s in served):
                 continue
             self.done.add(version)
-            out.append({"weights/version": version, "weights/sync_seconds": max(served) - end})
+            last, held = max(served)  # its wait may have begun before this version's step ended: the part after
+            sync = last - end
+            out.append(
+                {"weights/version": version, "weights/sync_seconds": sync, "weights/sync_held_seconds": min(held, sync)}
+            )
         return out
 
 

@@ -483,7 +483,7 @@ class PollSwitchFeed:
     def engine_tensors(self, update):
         return update[1]
 
-    def applied(self, update, seconds, probe=None, routing=None, probe_to_come=False):
+    def applied(self, update, seconds, probe=None, routing=None, probe_to_come=False, held_seconds=0.0):
         self.version = update[0]
 
 

@@ -84,8 +84,9 @@ class ScriptedFeed:
     def engine_tensors(self, update):
         return update.tensors  # a full version, no tied names
 
-    def applied(self, update, seconds, probe=None, routing=None, probe_to_come=False):
+    def applied(self, update, seconds, probe=None, routing=None, probe_to_come=False, held_seconds=0.0):
         self.version = update.version
+        self.held_seconds = held_seconds
 
 
 SAMPLING = Sampling(1, 1.0, 1.0, 4)
@@ -170,6 +171,14 @@ def test_no_weights_are_applied_while_held():
 
     held, after = asyncio.run(scenario())
     assert held.versions == [0] * 6 and after.versions == [1] * 4
+    assert feed.held_seconds > 0  # version 1 came at the hold's first step and waited for its end
+
+
+def test_an_update_that_no_hold_kept_waiting_says_it_waited_for_none():
+    engine = CountingEngine()
+    feed = ScriptedFeed(engine, at=2)
+    asyncio.run(run_turns(EnginePump(engine, feed, "continue"), [[9]]))
+    assert feed.version == 1 and feed.held_seconds == 0.0
 
 
 def cancel_after_three_steps(engine: CountingEngine, pump: EnginePump, ask) -> None:
@@ -367,7 +376,7 @@ class ProbedFeed(ScriptedFeed):
         super().__init__(engine, at, v)
         self.probe_ids, self.told = [5, 6, 7], []
 
-    def applied(self, update, seconds, probe=None, routing=None, probe_to_come=False):
+    def applied(self, update, seconds, probe=None, routing=None, probe_to_come=False, held_seconds=0.0):
         super().applied(update, seconds)
         self.told.append(("applied", update.version, probe_to_come))
 
