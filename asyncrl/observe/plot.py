@@ -157,7 +157,7 @@ def panel_staleness(ax, runs, colors) -> None:
 
 
 def panel_sync(ax, runs, colors) -> None:
-    ax.set_title("weight sync: step end to every generator serving it")
+    ax.set_title("weight sync: step end to every generator serving it\n(dotted: the part an evaluation held it)")
     ax.set_xlabel("policy version")
     ax.set_ylabel("seconds")
     if not _xy(ax, runs, colors, ("weights/version", "weights/sync_seconds"), False, marker=".", lw=1):
