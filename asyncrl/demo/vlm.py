@@ -140,6 +140,24 @@ def _by_prompt_length(enc: Encoded, idx: Sequence[int]) -> dict[int, list[int]]:
     return groups
 
 
+def _batches(enc: Encoded, idx: Sequence[int]):
+    """``(rows, model inputs)`` for the records ``idx``: grouped by prompt length (no padding, so no position-id
+    care), EVAL_BATCH rows at a time, each with its prompt's ids and its images' pixels."""
+    import torch
+
+    for group in _by_prompt_length(enc, idx).values():
+        for start in range(0, len(group), EVAL_BATCH):
+            rows = group[start : start + EVAL_BATCH]
+            yield (
+                rows,
+                dict(
+                    input_ids=torch.tensor([enc.prompt_ids[i] for i in rows]),
+                    pixel_values=enc.pixel_values[rows],
+                    pixel_attention_mask=enc.pixel_attention_mask[rows],
+                ),
+            )
+
+
 def sample(
     model,
     tokenizer,
@@ -158,31 +176,24 @@ def sample(
     texts: dict[int, str] = {}
     was_training = model.training
     model.eval()
-    for group in _by_prompt_length(enc, idx).values():
-        for start in range(0, len(group), EVAL_BATCH):
-            rows = group[start : start + EVAL_BATCH]
-            step = dict(
-                input_ids=torch.tensor([enc.prompt_ids[i] for i in rows]),
-                pixel_values=enc.pixel_values[rows],
-                pixel_attention_mask=enc.pixel_attention_mask[rows],
-            )
-            done = torch.zeros(len(rows), dtype=torch.bool)
-            tokens = []
-            with torch.no_grad():
-                for _ in range(max_new_tokens):
-                    out = model(**step, use_cache=True)
-                    logits = out.logits[:, -1].float()
-                    if temperature > 0:
-                        nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
-                    else:
-                        nxt = logits.argmax(-1)
-                    tokens.append(torch.where(done, tokenizer.pad_token_id, nxt))
-                    done |= nxt == tokenizer.eos_token_id
-                    if bool(done.all()):
-                        break
-                    step = dict(input_ids=nxt[:, None], past_key_values=out.past_key_values)
-            decoded = tokenizer.batch_decode(torch.stack(tokens, 1).tolist(), skip_special_tokens=True)
-            texts.update(zip(rows, decoded, strict=True))
+    for rows, step in _batches(enc, idx):
+        done = torch.zeros(len(rows), dtype=torch.bool)
+        tokens = []
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                out = model(**step, use_cache=True)
+                logits = out.logits[:, -1].float()
+                if temperature > 0:
+                    nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
+                else:
+                    nxt = logits.argmax(-1)
+                tokens.append(torch.where(done, tokenizer.pad_token_id, nxt))
+                done |= nxt == tokenizer.eos_token_id
+                if bool(done.all()):
+                    break
+                step = dict(input_ids=nxt[:, None], past_key_values=out.past_key_values)
+        decoded = tokenizer.batch_decode(torch.stack(tokens, 1).tolist(), skip_special_tokens=True)
+        texts.update(zip(rows, decoded, strict=True))
     model.train(was_training)
     return [texts[i] for i in idx]
 
@@ -222,19 +233,12 @@ def colour_mass(model, tokenizer, enc: Encoded) -> float:
     model.eval()
     total = 0.0
     with torch.no_grad():
-        for group in _by_prompt_length(enc, range(len(enc.records))).values():
-            for start in range(0, len(group), EVAL_BATCH):
-                rows = group[start : start + EVAL_BATCH]
-                logits = model(
-                    input_ids=torch.tensor([enc.prompt_ids[i] for i in rows]),
-                    pixel_values=enc.pixel_values[rows],
-                    pixel_attention_mask=enc.pixel_attention_mask[rows],
-                ).logits[:, -1]
-                probs = torch.softmax(logits.float(), -1)
-                for row, i in enumerate(rows):
-                    answer = enc.records[i]["answer"]
-                    firsts = {tokenizer.encode(c)[0] for c in (answer, shapes.next_colour(answer))}
-                    total += float(probs[row, list(firsts)].sum())
+        for rows, inputs in _batches(enc, range(len(enc.records))):
+            probs = torch.softmax(model(**inputs).logits[:, -1].float(), -1)
+            for row, i in enumerate(rows):
+                answer = enc.records[i]["answer"]
+                firsts = {tokenizer.encode(c)[0] for c in (answer, shapes.next_colour(answer))}
+                total += float(probs[row, list(firsts)].sum())
     model.train(was_training)
     return total / max(len(enc.records), 1)
 

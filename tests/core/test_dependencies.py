@@ -30,6 +30,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from test_house import runtime_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT_FOLDERS = ("asyncrl", "generators", "learners", "buffers")
@@ -78,18 +79,8 @@ def requirement_name(requirement: str) -> str:
 def runtime_import_names(source: str) -> set[str]:
     """Top-level names of every module ``source`` imports, at any depth, outside ``if TYPE_CHECKING:`` bodies
     (absolute imports only: a relative one is first-party)."""
-    tree = ast.parse(source)
-    typing_only = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for stmt in node.body
-        for n in ast.walk(stmt)
-    }
     names = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in runtime_imports(ast.parse(source)):
         if isinstance(node, ast.Import):
             names |= {a.name.partition(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

@@ -212,7 +212,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+def runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     """Every import statement of ``tree`` at any depth (inside functions, under try), except those in the body
     of an ``if TYPE_CHECKING:``, which never run."""
     typing_only = {
@@ -256,7 +256,7 @@ def _file_graph() -> dict[Path, dict[Path, int]]:
         module = _module_name(path)
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         edges: dict[Path, int] = {}
-        for node in sorted(_runtime_imports(ast.parse(path.read_text())), key=lambda n: n.lineno):
+        for node in sorted(runtime_imports(ast.parse(path.read_text())), key=lambda n: n.lineno):
             for other in _imported_modules(node, package, set(files)):
                 edges.setdefault(files[other], node.lineno)
         graph[path] = edges
