@@ -291,9 +291,11 @@ def sft_warmup(
     return loss.item()
 
 
-def build_shapes(seed: int, log: Callable[[str], Any] = print, steps: int = SFT_STEPS):
+def build_shapes(seed: int, log: Callable[[str], Any] = print, steps: int = SFT_STEPS, see_rounds: int = SEE_ROUNDS):
     """``(model, tokenizer, processor, recipe record)``: the demo-shapes model warmed up, deterministic for a
-    seed. The warm-up draws its images in memory; the run's image files come from ``recipes.prepare_demo_model``."""
+    seed; ``steps`` and at most ``see_rounds`` more rounds of SEE_STEPS until the tower tells colours apart (see
+    SEE_BAR). The warm-up draws its images in memory; the run's image files come from
+    ``recipes.prepare_demo_model``."""
     import torch
 
     torch.manual_seed(seed)
@@ -306,7 +308,7 @@ def build_shapes(seed: int, log: Callable[[str], Any] = print, steps: int = SFT_
     log(f"demo model: SFT warm-up of a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-param Idefics3")
     loss = sft_warmup(model, tokenizer, train, seed, log, steps)
     seen, rounds = colour_mass(model, tokenizer, train), 0
-    while seen < SEE_BAR and rounds < SEE_ROUNDS:  # see SEE_BAR
+    while seen < SEE_BAR and rounds < see_rounds:
         rounds += 1
         log(f"demo model: the tower tells colours apart at {seen:.3f} < {SEE_BAR}: {SEE_STEPS} more steps ({rounds})")
         loss = sft_warmup(model, tokenizer, train, seed + rounds, log, SEE_STEPS, lr=SEE_LR)

@@ -179,7 +179,7 @@ def test_a_build_saves_and_reloads_with_auto_classes_and_the_same_logits(tmp_pat
     from asyncrl.demo import recipes, vlm
 
     torch.set_num_threads(1)
-    model, tokenizer, proc, record = vlm.build_shapes(seed=0, log=lambda _: None, steps=2)
+    model, tokenizer, proc, record = vlm.build_shapes(seed=0, log=lambda _: None, steps=2, see_rounds=0)
     assert record["recipe"] == "demo-shapes" and record["sft_steps"] == 2
     assert {"eval_reward", "eval_exact", "sample_reward", "eval_records", "sft_seconds"} <= set(record)
     path = tmp_path / "shapes"
