@@ -26,6 +26,7 @@ earlier messages when one is appended (not append-only) is refused with ``ValueE
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -33,6 +34,17 @@ from asyncrl.errors import UserError
 
 # Placeholder contents of the base conversation; any text the template copies verbatim will do.
 _BASE_USER, _BASE_ASSISTANT = "Hi.", "Hello."
+
+
+@dataclasses.dataclass
+class Completion:
+    """One model turn as the engine sampled it: what an engine (``asyncrl.generators``) hands an episode
+    (``asyncrl.episodes``), which appends it to its conversation's ids unchanged."""
+
+    tokens: list[int]  # (T,) response token ids, EOS included when the model stopped
+    logprobs: list[float]  # (T,) behaviour log-probs of the sampled tokens
+    finish_reason: str  # "stop" | "length"
+    versions: list[int] = dataclasses.field(default_factory=list)  # (T,) version that produced each token
 
 
 class ChatTokens:

@@ -27,14 +27,6 @@ if TYPE_CHECKING:
     from asyncrl.config import GeneratorConfig, HfEngineConfig, ModelConfig, VllmEngineConfig
 
 
-@dataclasses.dataclass
-class Completion:
-    tokens: list[int]  # (T,) response token ids, EOS included when the model stopped
-    logprobs: list[float]  # (T,) behaviour log-probs of the sampled tokens
-    finish_reason: str  # "stop" | "length"
-    versions: list[int] = dataclasses.field(default_factory=list)  # (T,) version that produced each token
-
-
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """How one turn is sampled. With ``top_k``, ``top_p`` or ``min_p`` the behaviour log-probs are of the

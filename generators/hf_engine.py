@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.chat import stop_at
+from asyncrl.chat import Completion, stop_at
 from asyncrl.config import ModelConfig
 from asyncrl.errors import UserError
-from asyncrl.generators.engine import Completion, Engine, Sampling, StepOutput, context_length
+from asyncrl.generators.engine import Engine, Sampling, StepOutput, context_length
 from asyncrl.models.routers import RouterTap, choices_of
 from asyncrl.weights.ties import module_aliases
 

@@ -44,7 +44,8 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
-from asyncrl.generators.engine import Completion, Engine, Sampling, StepOutput
+from asyncrl.chat import Completion
+from asyncrl.generators.engine import Engine, Sampling, StepOutput
 
 if TYPE_CHECKING:
     from asyncrl.generators.prompts import Prompt

@@ -138,7 +138,7 @@ class Models:
 
 
 @dataclass(frozen=True)
-class Sampling:
+class ScoredSampling:
     """What the learner must know of the generators' sampling to score their tokens."""
 
     temperature: float  # pi and mu must be of the same (tempered) distribution
@@ -158,7 +158,7 @@ def train_step(
     batch: dict,
     preset: Preset,
     learner: LearnerConfig,
-    sampling: Sampling,
+    sampling: ScoredSampling,
     world: int,
     reducer: Reducer | None = None,
 ):
@@ -297,7 +297,7 @@ def run(cfg: Config, control: RunControl, buffer, rank: int, world: int, phase=l
         models = build_models(cfg.learner, cfg.model, cfg.algorithm, cfg.run.steps)
         engine = models.policy
         keep = published_names(engine, cfg.model)  # a VLM's language model alone, its vision frozen
-        sampling = Sampling(cfg.generator.temperature, cfg.generator.max_new_tokens)
+        sampling = ScoredSampling(cfg.generator.temperature, cfg.generator.max_new_tokens)
         metrics = RedisSink(control, f"learner/{rank}")
         reducer = DistReducer()
         need = cfg.learner.groups_per_step // world

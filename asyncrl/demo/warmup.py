@@ -198,7 +198,7 @@ class _LockstepModel:
     def decode_pending(self) -> None:
         import torch
 
-        from asyncrl.generators.engine import Completion
+        from asyncrl.chat import Completion
 
         groups: dict[tuple[int, int], list[tuple[int, list[int], int, asyncio.Future]]] = {}
         for req in sorted(self.pending, key=lambda r: r[0]):

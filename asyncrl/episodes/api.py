@@ -46,7 +46,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from asyncrl.chat import stop_at
+from asyncrl.chat import Completion, stop_at
 from asyncrl.data import import_by_path, prompt_of
 from asyncrl.episodes.pool import WorkerPool
 from asyncrl.episodes.tools import Tool, ToolCall, load_parser, load_tools
@@ -57,9 +57,8 @@ from asyncrl.rewards import resolve as rewards
 if TYPE_CHECKING:
     from asyncrl.chat import ChatTokens
     from asyncrl.config import EpisodeConfig
-    from asyncrl.generators.engine import Completion
 
-Complete = Callable[[list[int], int], Awaitable["Completion"]]  # (context ids, max new tokens) -> one turn
+Complete = Callable[[list[int], int], Awaitable[Completion]]  # (context ids, max new tokens) -> one turn
 Episode = Callable[["Context"], Awaitable["rewards.Reward"]]
 
 

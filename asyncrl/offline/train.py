@@ -44,15 +44,14 @@ from asyncrl.learners.engine import (
 from asyncrl.learners.objective import DistReducer
 from asyncrl.learners.offline_losses import (
     PAIR_LOSSES,
-    RewardModel,
     bradley_terry_loss,
     dpo_loss,
-    pad_pairs,
     pair_logratio,
     response_logprobs,
     sft_loss,
 )
 from asyncrl.lifetime import exit_after_collectives, starting_up
+from asyncrl.models.reward_head import RewardModel, pad_pairs
 from asyncrl.observe.metrics import JsonlSink, Sinks, TensorBoardSink, setup_logging
 from asyncrl.offline.data import Example, load_examples
 from asyncrl.rewards.model import REWARD_HEAD, SETTINGS

@@ -10,7 +10,7 @@
 
 A reward of your own needs nothing from here: any ``module:function`` (``reward(prompt, completion, record)``).
 
-May import: the core, asyncrl.learners (the reward model's head), asyncrl.observe.
+May import: the core, asyncrl.models (the reward model's head), asyncrl.observe.
 """
 
 

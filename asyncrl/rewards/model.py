@@ -53,7 +53,7 @@ class RewardModelReward:
             from transformers import AutoModel, AutoTokenizer
 
             from asyncrl.chat import ChatTokens
-            from asyncrl.learners.offline_losses import RewardModel
+            from asyncrl.models.reward_head import RewardModel
 
             settings = json.loads((self.path / SETTINGS).read_text()) if (self.path / SETTINGS).is_file() else {}
             tok = AutoTokenizer.from_pretrained(self.path)
@@ -94,7 +94,7 @@ class RewardModelReward:
     def _forward(self, sequences: list[tuple[list[int], list[int]]]) -> list[float]:
         import torch
 
-        from asyncrl.learners.offline_losses import pad_pairs
+        from asyncrl.models.reward_head import pad_pairs
 
         start = time.perf_counter()
         batch = pad_pairs(sequences, self.chat.pad_id)

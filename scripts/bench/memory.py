@@ -80,7 +80,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     from asyncrl.config import load_config
     from asyncrl.learners.engine import hide_triton_without_cuda, init_distributed
-    from asyncrl.learners.worker import Sampling, build_models, make_batch, train_step
+    from asyncrl.learners.worker import ScoredSampling, build_models, make_batch, train_step
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hide_triton_without_cuda()  # as worker.serve does
@@ -103,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
     rss_built = rss_bytes("VmRSS")
     groups = synthetic_groups(args.sequences // world, args.per_group, args.prompt, args.response, vocab, rank)
     batch = make_batch(groups, args.response, cfg.algorithm.preset, pad_id=0, version=0)
-    sampling = Sampling(cfg.generator.temperature, args.response)
+    sampling = ScoredSampling(cfg.generator.temperature, args.response)
     seconds, cpu_seconds = [], []
     for _ in range(args.steps):
         start, cpu_start = time.perf_counter(), time.process_time()

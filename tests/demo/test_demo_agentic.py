@@ -231,9 +231,8 @@ def test_tool_and_env_wait_their_episodes_delays(slept):
 
 def _context(tokenizer, record: dict, turns: list[str], cfg: EpisodeConfig, seen: list[list[int]]):
     """A Context whose model answers ``turns`` in order (each + </s>), recording the ids it was given."""
-    from asyncrl.chat import ChatTokens
+    from asyncrl.chat import ChatTokens, Completion
     from asyncrl.episodes.api import Context, load_episode
-    from asyncrl.generators.engine import Completion
     from asyncrl.rewards.resolve import load_reward
 
     script = iter(turns)

@@ -9,13 +9,12 @@ import math
 import episode_fixtures as fx
 import pytest
 
-from asyncrl.chat import ChatTokens
+from asyncrl.chat import ChatTokens, Completion
 from asyncrl.config import EpisodeConfig
 from asyncrl.demo.model import build_tokenizer
 from asyncrl.episodes.api import Context, env_episode, load_episode, run_episode, single_turn, tool_episode
 from asyncrl.episodes.tools import load_parser, load_tools
 from asyncrl.errors import EpisodeFailure, UserError
-from asyncrl.generators.engine import Completion
 from asyncrl.rewards.resolve import reward_parts
 
 TOK = build_tokenizer()

@@ -16,7 +16,7 @@ import openai
 import pytest
 from test_chat_tokens import smollm2  # noqa: F401 - SmolLM2's tokenizer (a fixture)
 
-from asyncrl.chat import ChatTokens
+from asyncrl.chat import ChatTokens, Completion
 from asyncrl.config import EpisodeConfig
 from asyncrl.demo import calc, guess
 from asyncrl.demo.model import build_tokenizer
@@ -25,7 +25,6 @@ from asyncrl.episodes.api import Context, env_episode, load_episode, run_episode
 from asyncrl.episodes.openai_server import Endpoint, close_endpoint, endpoint_for
 from asyncrl.episodes.tools import load_parser, load_tools
 from asyncrl.errors import UserError
-from asyncrl.generators.engine import Completion
 
 TOK = build_tokenizer()
 GUESS = "asyncrl.demo.guess_agent:play"

@@ -26,7 +26,7 @@ from asyncrl.config import load_config
 from asyncrl.config.presets import PRESETS
 from asyncrl.learners.batching import pad_batch, sequence_logprobs
 from asyncrl.learners.objective import Reducer, StepBatch, step_loss
-from asyncrl.learners.worker import Models, Sampling, train_step
+from asyncrl.learners.worker import Models, ScoredSampling, train_step
 
 TOL = 1e-6
 
@@ -91,7 +91,7 @@ def train(preset, groups, minibatches: int, lr: float, reducer=None, world: int 
         ref = TinyLM(1)
         reference = lambda input_ids, attention_mask: SimpleNamespace(logits=ref(input_ids))  # noqa: E731
     models = Models(policy, critic, reference)
-    sampling = Sampling(cfg.generator.temperature, cfg.generator.max_new_tokens)
+    sampling = ScoredSampling(cfg.generator.temperature, cfg.generator.max_new_tokens)
     out, _ = train_step(models, make_train_batch(groups), preset, cfg.learner, sampling, world, reducer or Reducer())
     return out, models
 

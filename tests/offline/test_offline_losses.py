@@ -1,8 +1,8 @@
-"""The offline modes' losses (learners.offline_losses) against a slow reference in float64: every example
-run through the model alone (no padding), each token's log-probability read off its own log-softmax in a
-Python loop, the loss summed example by example. Ragged batches, padded on the right and on the left;
-losses and every parameter's gradient to 1e-6. Then the same losses on 1 rank and split over 2 gloo ranks
-(DeepSpeed's gradient average emulated by an all-reduce / world)."""
+"""The offline modes' losses (learners.offline_losses; models.reward_head's batches and reward head) against a
+slow reference in float64: every example run through the model alone (no padding), each token's log-probability
+read off its own log-softmax in a Python loop, the loss summed example by example. Ragged batches, padded on the
+right and on the left; losses and every parameter's gradient to 1e-6. Then the same losses on 1 rank and split
+over 2 gloo ranks (DeepSpeed's gradient average emulated by an all-reduce / world)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,13 @@ from gloo_ranks import run_on_ranks
 
 from asyncrl.learners.offline_losses import (
     PAIR_LOSSES,
-    RewardModel,
     bradley_terry_loss,
     dpo_loss,
-    pad_pairs,
     pair_logratio,
     response_logprobs,
     sft_loss,
 )
+from asyncrl.models.reward_head import RewardModel, pad_pairs
 
 VOCAB, TOL, BETA = 61, 1e-6, 0.5
 SIDES = ["right", "left"]

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from asyncrl.errors import UserError
-from asyncrl.learners.offline_losses import RewardModel, pad_pairs
+from asyncrl.models.reward_head import RewardModel, pad_pairs
 from asyncrl.rewards.model import MAX_BATCH, REWARD_HEAD, SETTINGS, RewardModelReward
 from asyncrl.rewards.resolve import load_reward
 
