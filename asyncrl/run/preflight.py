@@ -111,7 +111,8 @@ def preflight(cfg: Config, redis_url: str | None, log=print) -> Config:
     config the run uses (``cfg``, or with ``model.path`` a GGUF's converted directory: see the module's doc)."""
     preflight_light(cfg, redis_url, prompts=False)
     cfg = ensure_model(cfg, log)
-    check_images(cfg)  # after the model: a recipe draws its data's images
+    if cfg.model.recipe is not None:  # a recipe drew its data's images just now (preflight_light checked the rest)
+        check_images(cfg)
     return cfg
 
 
