@@ -86,7 +86,8 @@ class EnginePump:
         self._step: asyncio.Future | None = None
         self._waiting: WeightUpdate | None = None  # wait mode: an update deferred until turns finish
         self._held: WeightUpdate | None = None  # the newest update that came while an evaluation held the weights
-        self._held_since: float | None = None  # ... since when one waited (monotonic): weights/held_seconds
+        self._held_since: float | None = None  # ... since when one waited (monotonic)
+        self._held_seconds = 0.0  # how long the update applied next waited for a hold: weights/held_seconds
         self._probing = False  # the probe of the served version is in the engine, scored by the next step
         self.busy_s = 0.0  # engine had requests
         self.idle_s = 0.0  # engine had none
@@ -226,12 +227,14 @@ class EnginePump:
         update = self._held or self._waiting or self.feed.newer()
         if update is None:
             return
+        if self._held is not None:  # the hold ended: its wait is measured here, not a later one for running turns
+            self._held_seconds = time.monotonic() - self._held_since
+            self._held = self._held_since = None
         if self.on_update == "wait" and self._live:
-            self._waiting, self._held = update, None  # applied once the running turns finish
+            self._waiting = update  # applied once the running turns finish
             return
-        self._waiting = self._held = None
-        held = time.monotonic() - self._held_since if self._held_since is not None else 0.0
-        self._held_since = None
+        self._waiting = None
+        held, self._held_seconds = self._held_seconds, 0.0
         self._drop_probe()  # still unscored (its prefill split over steps): it would see two versions
         running = [t for turns in self._live.values() for t in turns if not t.finished]  # split per sample
         self.engine.abort_requests(list(self._live))
