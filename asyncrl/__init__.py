@@ -11,8 +11,10 @@ The house, one room per concern (each package's docstring says what lives there 
 * the three roles, installed from the repository's own folders (``pyproject.toml``'s package-dir):
   ``asyncrl.generators`` is ``generators/``, ``asyncrl.learners`` is ``learners/``, ``asyncrl.buffers`` is
   ``buffers/``.
-* the wings: ``weights/`` (the weight bus), ``episodes/`` (the episode API, tools), ``rewards/`` (every
-  reward source), ``run/`` (launch, Ray, SLURM, joining, resume), ``fleet/`` (rendezvous, redis-server),
+* the wings: ``weights/`` (the weight bus), ``service/`` (the kit every server and worker pool is built from:
+  killable worker processes, JSON over HTTP, the retrying client, the sandbox), ``episodes/`` (the episode API,
+  its kinds, tools), ``gateway/`` (the OpenAI-compatible endpoint agents play episodes through), ``rewards/``
+  (every reward source), ``run/`` (launch, Ray, SLURM, joining, resume), ``fleet/`` (rendezvous, redis-server),
   ``observe/`` (metrics, status, plots), ``offline/`` (sft, rm, dpo), ``models/`` (recipes, GGUF) and
   ``demo/`` (the embedded demos).
 
@@ -62,6 +64,13 @@ MOVED_MODULES = {
     "asyncrl.learners.pieces": "asyncrl.config.pieces",
     "asyncrl.learners.presets": "asyncrl.config.presets",
     "asyncrl.learners.offline": "asyncrl.offline.train",
+    "asyncrl.episodes.pool": "asyncrl.service.pool",
+    "asyncrl.episodes.pool_sessions": "asyncrl.service.sessions",
+    "asyncrl.episodes.pool_worker": "asyncrl.service.pool_worker",
+    "asyncrl.episodes.openai_server": "asyncrl.gateway.server",
+    "asyncrl.episodes.openai_wire": "asyncrl.gateway.wire",
+    "asyncrl.episodes.transcript": "asyncrl.gateway.transcript",
+    "asyncrl.episodes.agent": "asyncrl.gateway.agent",
 }
 
 

@@ -62,7 +62,7 @@ RUN_MARKERS = ("version", "counters", "traj")
 
 
 def starting_field(role: str, ident: int | str) -> str:
-    """The metadata field that says what a starting process waits for (``asyncrl.learners.worker.start_phase``)."""
+    """The metadata field that says what a starting process waits for (``asyncrl.learners.trainer.start_phase``)."""
     return f"starting:{role}-{ident}"
 
 

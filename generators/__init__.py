@@ -8,8 +8,8 @@ counts episodes and holds the failure limit; ``lease`` keeps the fleet lease bet
 an episode into its wire sample; ``weight_feed`` applies new versions; ``prompts`` turns a record into what the
 engine and the learner each take (a vision-language model's images).
 
-May import: the core, asyncrl.buffers, asyncrl.weights, asyncrl.observe, asyncrl.episodes,
-asyncrl.rewards, asyncrl.models.
+May import: the core, asyncrl.buffers, asyncrl.weights, asyncrl.observe, asyncrl.service, asyncrl.episodes,
+asyncrl.gateway, asyncrl.rewards, asyncrl.models.
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ from asyncrl.chat import ChatTokens
 from asyncrl.config import Config
 from asyncrl.control import MEMBER_TTL_S, RunControl
 from asyncrl.data import is_async, load_jsonl, prompt_for_sequence
-from asyncrl.episodes.api import Context, Outcome, load_episode, run_episode, single_turn
-from asyncrl.episodes.pool import WorkerPool
+from asyncrl.episodes.api import Context, Outcome, run_episode, single_turn
+from asyncrl.episodes.kinds import load_episode
 from asyncrl.generators.accounting import EpisodeStats, FailureWindow, threads_and_children
 from asyncrl.generators.engine import Engine, Sampling, fits, turn_sampling
 from asyncrl.generators.evaluation import (
@@ -75,6 +75,7 @@ from asyncrl.observe import probe
 from asyncrl.observe.metrics import RedisSink
 from asyncrl.protocol import TrajectoryGroup, encode_group
 from asyncrl.rewards.resolve import load_reward
+from asyncrl.service.pool import WorkerPool
 from asyncrl.staleness import admission_limit, claim_share
 from asyncrl.weights import WeightSubscriber
 
@@ -388,7 +389,7 @@ class Generator:
         self.peaks["generator/threads_peak"] = max(self.peaks["generator/threads_peak"], threads)
         self.peaks["generator/child_processes_peak"] = max(self.peaks["generator/child_processes_peak"], children)
         record.update({"generator/threads": threads, "generator/child_processes": children, **self.peaks})
-        if self.pool is not None:  # its replays and suspects (asyncrl.episodes.pool_sessions)
+        if self.pool is not None:  # its replays and suspects (asyncrl.service.sessions)
             record.update({f"generator/pool_{k}": v for k, v in self.pool.stats().items()})
         self.metrics.log({"generator/version": self.version, **record})
 
@@ -482,7 +483,7 @@ class Generator:
         await asyncio.gather(pump, return_exceptions=True)
         if self.pool is not None:
             await self.pool.aclose()
-        if (agents := sys.modules.get("asyncrl.episodes.openai_server")) is not None:  # agent episodes ran
+        if (agents := sys.modules.get("asyncrl.gateway.server")) is not None:  # agent episodes ran
             await agents.close_endpoint()  # their OpenAI-compatible endpoint
         close = getattr(self.reward_fn, "close", None)  # a remote reward's connections
         if close is not None and is_async(close):

@@ -14,5 +14,9 @@ one step's losses (split-invariant over ranks); ``models`` builds the reference 
 ``vision``: a vision-language policy's pixel inputs per batch row and the names each version carries;
 ``records``: a step's metric sums and its ``metrics.jsonl`` record.
 
+A learner rank's process: ``trainer`` (``python -m asyncrl.learners.trainer``), its loop from start-up to the
+final commit; ``train_step``, one step of its models (forward, losses, backward, optimizer steps);
+``deepspeed_engine``, the DeepSpeed engine around a model, the rank's process group, checkpoints and HF export.
+
 May import: the core, asyncrl.buffers, asyncrl.weights, asyncrl.observe, asyncrl.models.
 """

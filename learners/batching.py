@@ -1,6 +1,9 @@
 """Batching: padded batches and their token log-probabilities, and the registry lookup and masked mean
 that every algorithm piece shares.
 
+``make_batch`` turns a learner rank's trajectory groups into one step's padded tensors (``pad_batch``) with
+their rewards (the DAPO overlong penalty added), group ids and a vision-language policy's image inputs.
+
 Alignment convention (``pad_batch`` and ``sequence_logprobs``): position ``j`` of every ``(B, L-1)``
 tensor describes the token at ``input_ids[:, j + 1]`` predicted from the prefix ``input_ids[:, :j+1]``.
 The losses themselves are composed from the registries in ``advantages``, ``policy_losses``, ``kl``
@@ -16,13 +19,21 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["masked_mean", "model_logprobs", "pad_batch", "sequence_logprobs", "token_logprobs"]
+from asyncrl.learners.advantages import overlong_penalty
+
+if TYPE_CHECKING:
+    from asyncrl.config.presets import Preset
+    from asyncrl.learners.vision import BatchImages  # vision -> models -> batching: a type only
+    from asyncrl.protocol import TrajectoryGroup
+
+__all__ = ["make_batch", "masked_mean", "model_logprobs", "pad_batch", "sequence_logprobs", "token_logprobs"]
 
 
 def masked_mean(x: Tensor, mask: Tensor, count: float) -> float:
@@ -238,3 +249,39 @@ def pad_batch(sequences: Sequence[tuple], pad_id: int) -> dict[str, Tensor]:
         "response_mask": response_mask,
         "behaviour_logprobs": behaviour,
     }
+
+
+def make_batch(
+    groups: list[TrajectoryGroup],
+    max_len: int,
+    preset: Preset,
+    pad_id: int,
+    version: int,
+    images: BatchImages | None = None,
+) -> dict:
+    """Padded tensors of this rank's groups: ids, masks, behaviour log-probs, rewards, group ids, and a
+    vision-language policy's image inputs (``images``).
+
+    ``max_len`` is the generation limit (``generator.max_new_tokens``): the DAPO overlong penalty's scale.
+    """
+    seqs = [(g.prompt_ids, s.tokens, s.logprobs, s.mask) for g in groups for s in g.samples]
+    batch = pad_batch(seqs, pad_id)
+    # 1.0 where a response token was produced by the version this learner holds (for the mismatch metric)
+    same = torch.zeros_like(batch["response_mask"])
+    rows = [(len(g.prompt_ids), s.versions) for g in groups for s in g.samples]
+    for i, (p, versions) in enumerate(rows):
+        same[i, p - 1 : p - 1 + len(versions)] = torch.from_numpy((versions == version).astype(np.float32))
+    batch["same_version"] = same
+    rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
+    lengths = torch.tensor([int(s.mask.sum()) for g in groups for s in g.samples])  # model tokens
+    shaping = overlong_penalty(lengths, max_len, preset.overlong_buffer, preset.overlong_penalty)
+    batch["rewards"] = (rewards + shaping).to(torch.float32)
+    batch["group_ids"] = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
+    if any(s.turn_rewards is not None for g in groups for s in g.samples):  # multi-turn episodes
+        turns = torch.zeros_like(batch["response_mask"])
+        rows = [(len(g.prompt_ids), s.turn_rewards) for g in groups for s in g.samples]
+        for i, (p, rewards) in enumerate(rows):
+            if rewards is not None:
+                turns[i, p - 1 : p - 1 + len(rewards)] = torch.from_numpy(rewards.astype(np.float32))
+        batch["turn_rewards"] = turns
+    return batch | (images.inputs(groups) if images is not None else {})

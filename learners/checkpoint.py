@@ -2,8 +2,8 @@
 
 Checkpoints live in ``<run>/checkpoint/version-<v>/``. One is *committed* when
 ``<run>/checkpoint/committed.json`` (``{"version": v, "tag": "version-<v>"}``) names it. Learner rank 0
-writes the marker atomically, only after every rank saved its part (``engine.save_checkpoint``); a
-restarted learner resumes from it and nothing else, and the launcher reads it to say where.
+writes the marker atomically, only after every rank saved its part (``deepspeed_engine.save_checkpoint``);
+a restarted learner resumes from it and nothing else, and the launcher reads it to say where.
 
 Any other ``version-<v>/`` is a save that never finished (a rank died in it, the disk filled): a restart
 or resume ignores it, and the launcher removes it (:func:`remove_uncommitted`) whenever no learner rank

@@ -3,13 +3,13 @@
 * Reference (``preset.uses_kl``): a frozen copy of the INITIAL policy (``model.path``), no optimizer,
   forward under ``no_grad``. A restart reloads it from ``model.path``, so it never drifts.
 * Critic (``preset.needs_critic``: GAE or V-trace): a value head on a copy of the base model, trained
-  by its own DeepSpeed engine and optimizer. Checkpointed with the policy (``engine.save_checkpoint``),
-  never published to generators.
+  by its own DeepSpeed engine and optimizer. Checkpointed with the policy
+  (``deepspeed_engine.save_checkpoint``), never published to generators.
 
 Memory: neither scores through the full (B, L, V) logits (``batching.model_logprobs``); with
 ``learner.activation_checkpointing`` the policy and the critic's base recompute each decoder layer in
-backward (``peak_memory.enable_activation_checkpointing``, which ``engine.build_engine`` applies) instead of
-keeping its activations.
+backward (``peak_memory.enable_activation_checkpointing``, which ``deepspeed_engine.build_engine``
+applies) instead of keeping its activations.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def build_critic(learner: LearnerConfig, model_cfg: ModelConfig, steps: int, lr:
     (``lr`` None: the policy's)."""
     from transformers import AutoModel
 
-    from asyncrl.learners.engine import build_engine
+    from asyncrl.learners.deepspeed_engine import build_engine
 
     base = AutoModel.from_pretrained(model_cfg.path, dtype=getattr(torch, model_cfg.dtype))
     model = ValueModel(base, base.config.hidden_size).to(getattr(torch, model_cfg.dtype))

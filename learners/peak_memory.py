@@ -1,5 +1,6 @@
 """What keeps a learner rank's peak memory down, applied to the policy (and a critic's base) by
-``engine.build_engine``; each leaves values and gradients as they were (``tests/learners/test_learner_memory.py``).
+``deepspeed_engine.build_engine``; each leaves values and gradients as they were
+(``tests/learners/test_learner_memory.py``).
 
 * ``enable_activation_checkpointing`` (``learner.activation_checkpointing``): every decoder layer recomputes its
   activations in backward instead of keeping them; ``by_rows``, a few sequences at a time
@@ -8,7 +9,8 @@
   gradient in place.
 
 The in-place ones only where nothing hooks gradients as autograd accumulates them (ZeRO 0 in float32: the
-engine's ``plain_grads``). Here, not in ``models``, because ``models`` builds its critic through ``engine``.
+engine's ``plain_grads``). Here, not in ``models``, because ``models`` builds its critic through
+``deepspeed_engine``.
 """
 
 from __future__ import annotations

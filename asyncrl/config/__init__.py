@@ -13,7 +13,14 @@ from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.base import Section
 from asyncrl.config.buffer import BufferConfig, MemoryBufferConfig, RedisBufferConfig
 from asyncrl.config.data import DataConfig
-from asyncrl.config.episode import EpisodeConfig
+from asyncrl.config.episode import (
+    AgentCommandEpisodeConfig,
+    AgentEpisodeConfig,
+    CompletionEpisodeConfig,
+    EpisodeConfig,
+    FunctionEpisodeConfig,
+    RemoteEnvEpisodeConfig,
+)
 from asyncrl.config.generator import GeneratorConfig, HfEngineConfig, VllmEngineConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.model import RECIPE_PATHS, LoraConfig, ModelConfig
@@ -44,11 +51,15 @@ __all__ = [
     "PresetName",
     "MOVED",
     "RECIPE_PATHS",
+    "AgentCommandEpisodeConfig",
+    "AgentEpisodeConfig",
     "AlgorithmConfig",
     "BufferConfig",
+    "CompletionEpisodeConfig",
     "Config",
     "DataConfig",
     "EpisodeConfig",
+    "FunctionEpisodeConfig",
     "GeneratorConfig",
     "HfEngineConfig",
     "LearnerConfig",
@@ -58,6 +69,7 @@ __all__ = [
     "ModelConfig",
     "NcclWeightsConfig",
     "RedisBufferConfig",
+    "RemoteEnvEpisodeConfig",
     "RunConfig",
     "Section",
     "ShmWeightsConfig",

@@ -11,7 +11,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _type_or(default: str):
+def type_or(default: str):
     """A backend section's discriminator: its ``type`` field, ``default`` when the YAML leaves it out."""
 
     def discriminate(value: Any) -> str:

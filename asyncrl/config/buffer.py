@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from asyncrl.config.base import Section, _type_or
+from asyncrl.config.base import Section, type_or
 
 
 class _BufferBase(Section):
@@ -37,5 +37,5 @@ class MemoryBufferConfig(_BufferBase):
 
 BufferConfig = Annotated[
     Annotated[RedisBufferConfig, Tag("redis")] | Annotated[MemoryBufferConfig, Tag("memory")],
-    Discriminator(_type_or("redis")),
+    Discriminator(type_or("redis")),
 ]

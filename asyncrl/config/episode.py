@@ -1,50 +1,25 @@
-"""``episode``: what one sample is (a single completion, an environment, tools), its budgets and failure limit."""
+"""``episode``: what one sample is, chosen by its ``type``, with its budgets and failure limit.
+
+The kinds: ``completion`` (one completion scored by data.reward, or a tool loop when tools are given),
+``function`` (an async episode function or an Env class), ``remote_env`` (a session of an ``asyncrl
+env-serve`` environment), ``agent`` (an ``async def agent(client, task)`` against the OpenAI API) and
+``agent_command`` (an agent program per episode). A new kind is a member here (its ``type`` and its own
+fields) and one builder in ``asyncrl.episodes.kinds.KINDS``.
+
+``type`` may be left out: the one key that names the episode names its kind (``function``, ``env_url``,
+``agent``, ``agent_command``; none: ``completion``), as configs did before ``episode.type``.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Discriminator, Field, model_validator
 
 from asyncrl.config.base import Section
 
 
-class EpisodeConfig(Section):
-    function: str | None = Field(
-        None,
-        description="'module:name' of an async episode function or an Env class (see asyncrl.episodes.api); None: "
-        "one completion scored by data.reward, or a tool loop when tools are given.",
-    )
-    env_url: str | None = Field(
-        None,
-        description="An `asyncrl env-serve` server's URL (http://:TOKEN@host:port, or the token from "
-        "$ASYNCRL_ENV_TOKEN): each episode plays one session of its environment there, built with "
-        "episode.options (see asyncrl.episodes.remote_env). Not with episode.function.",
-    )
-    agent: str | None = Field(
-        None,
-        description="'module:function' of an `async def agent(client, task)` written against the OpenAI API: "
-        "client is an openai.AsyncOpenAI on the episode's own session of the generator's OpenAI-compatible "
-        "endpoint; it returns the reward, or None for data.reward on the last model turn (see "
-        "asyncrl.episodes.agent). Not with episode.function, env_url or agent_command.",
-    )
-    agent_command: str | list[str] | None = Field(
-        None,
-        description="A program started per episode (a command line, or its argv) with OPENAI_BASE_URL and "
-        "OPENAI_API_KEY set for the episode's session and the task as JSON on its standard input; its reward is "
-        "what it POSTs to $ASYNCRL_REWARD_URL, else data.reward on the last model turn.",
-    )
-    agent_host: str = Field(
-        "127.0.0.1",
-        description="Address the generator's OpenAI-compatible endpoint listens on (agent episodes); leaving "
-        "loopback is explicit. Each session has its own key either way.",
-    )
-    agent_port: int = Field(
-        0,
-        ge=0,
-        le=65535,
-        description="The endpoint's port (0: a free one, logged; a fixed one fits one generator per host).",
-    )
+class _EpisodeBase(Section):
     tools: list[str] = Field([], description="'module:name' of each @asyncrl.episodes.tools.tool the model may call.")
     tool_parser: str = Field("simple", description="Tool-call format: simple, hermes, or 'module:function'.")
     tool_errors: Literal["observe", "fail"] = Field(
@@ -125,17 +100,142 @@ class EpisodeConfig(Section):
         {}, description="Settings for the episode: keyword arguments of an Env class, ctx.options of a function."
     )
 
+
+class CompletionEpisodeConfig(_EpisodeBase):
+    type: Literal["completion"] = Field(
+        "completion", description="One completion scored by data.reward, or a tool loop when tools are given."
+    )
+
+
+class FunctionEpisodeConfig(_EpisodeBase):
+    type: Literal["function"] = Field(
+        "function", description="An async episode function or an Env class, by import path (see asyncrl.episodes.api)."
+    )
+    function: str = Field(description="'module:name' of an `async def episode(ctx)` or an Env class.")
+
+
+class RemoteEnvEpisodeConfig(_EpisodeBase):
+    type: Literal["remote_env"] = Field(
+        "remote_env",
+        description="Each episode plays one session of an environment served by `asyncrl env-serve`, built there "
+        "with episode.options (see asyncrl.episodes.remote_env).",
+    )
+    env_url: str = Field(
+        description="The server's URL: http://:TOKEN@host:port, or http://host:port with the token in "
+        "$ASYNCRL_ENV_TOKEN."
+    )
+
     @model_validator(mode="after")
-    def _one_environment(self) -> EpisodeConfig:
-        if self.env_url is not None and self.function is not None:
-            raise ValueError("episode.env_url and episode.function both name the episode: give one")
-        if self.env_url is not None and not self.env_url.startswith(("http://", "https://")):
+    def _http(self) -> RemoteEnvEpisodeConfig:
+        if not self.env_url.startswith(("http://", "https://")):
             raise ValueError(f"episode.env_url must be an http(s):// URL, not {self.env_url!r}")
-        named = [k for k in ("function", "env_url", "agent", "agent_command") if getattr(self, k) is not None]
-        if len(named) > 1 and set(named) != {"function", "env_url"}:
-            raise ValueError(f"episode.{' and episode.'.join(named)} all name the episode: give one")
-        if self.agent_command is not None and not (
-            self.agent_command.split() if isinstance(self.agent_command, str) else self.agent_command
-        ):
+        return self
+
+
+class _AgentEpisodeBase(_EpisodeBase):
+    """An agent against the OpenAI API: each episode has its own session of the generator's endpoint."""
+
+    agent_host: str = Field(
+        "127.0.0.1",
+        description="Address the generator's OpenAI-compatible endpoint listens on; leaving loopback is "
+        "explicit. Each session has its own key either way.",
+    )
+    agent_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="The endpoint's port (0: a free one, logged; a fixed one fits one generator per host).",
+    )
+
+
+class AgentEpisodeConfig(_AgentEpisodeBase):
+    type: Literal["agent"] = Field(
+        "agent", description="An agent function run on the generator's event loop (see asyncrl.gateway.agent)."
+    )
+    agent: str = Field(
+        description="'module:function' of an `async def agent(client, task)` written against the OpenAI API: "
+        "client is an openai.AsyncOpenAI on the episode's own session of the generator's OpenAI-compatible "
+        "endpoint; it returns the reward, or None for data.reward on the last model turn."
+    )
+
+
+class AgentCommandEpisodeConfig(_AgentEpisodeBase):
+    type: Literal["agent_command"] = Field(
+        "agent_command", description="An agent program started per episode (see asyncrl.gateway.agent)."
+    )
+    agent_command: str | list[str] = Field(
+        description="The program (a command line, or its argv), started with OPENAI_BASE_URL and OPENAI_API_KEY "
+        "set for the episode's session and the task as JSON on its standard input; its reward is what it POSTs "
+        "to $ASYNCRL_REWARD_URL, else data.reward on the last model turn."
+    )
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> AgentCommandEpisodeConfig:
+        if not (self.agent_command.split() if isinstance(self.agent_command, str) else self.agent_command):
             raise ValueError("episode.agent_command is empty")
         return self
+
+
+MEMBERS: dict[str, type[_EpisodeBase]] = {
+    m.model_fields["type"].default: m
+    for m in (
+        CompletionEpisodeConfig,
+        FunctionEpisodeConfig,
+        RemoteEnvEpisodeConfig,
+        AgentEpisodeConfig,
+        AgentCommandEpisodeConfig,
+    )
+}
+# The key that names each kind's episode: a config without episode.type names its kind by giving one of these
+# (the kinds that came before episode.type; a kind added since is named by its type).
+NAMING_KEYS = {"function": "function", "env_url": "remote_env", "agent": "agent", "agent_command": "agent_command"}
+
+
+def _kind_of(value: Any) -> Any:
+    """A YAML episode section with its ``type`` filled in (from the one key that names the episode, when left
+    out) and checked against the other kinds' keys, each mistake in one line. A key of another kind left at
+    null (an override's ``episode.function=null``), or, without ``type``, at its default (the config.yaml of a
+    run launched before episode.type, which wrote every kind's keys), is dropped."""
+    if not isinstance(value, dict):
+        return value
+    named = [key for key in NAMING_KEYS if value.get(key) is not None]
+    kind = value.get("type")
+    if kind is None and len(named) > 1:
+        keys, kinds = _listed([f"episode.{k}" for k in named]), _listed([NAMING_KEYS[k] for k in named], "or")
+        raise ValueError(
+            f"{keys} {'both' if len(named) == 2 else 'all'} name the episode: give one, or write "
+            f"episode.type: {kinds} with its key alone"
+        )
+    inferred = kind is None
+    kind = (NAMING_KEYS[named[0]] if named else "completion") if inferred else kind
+    if not isinstance(kind, str) or kind not in MEMBERS:
+        raise ValueError(f"episode.type {kind!r} is none of {_listed(list(MEMBERS), 'or')}")
+    why = "" if not inferred else f" (named by episode.{named[0]})" if named else " (no key names the episode)"
+    own = MEMBERS[kind].model_fields
+    fields = {"type": kind}
+    for key, given in value.items():
+        owners = [t for t, m in MEMBERS.items() if key in m.model_fields and key != "type"]
+        if key in own or not owners:  # its own, or no kind's: the member's validation says
+            fields[key] = given
+        elif given is not None and not (inferred and given == MEMBERS[owners[0]].model_fields[key].default):
+            raise ValueError(
+                f"episode.{key} is for episode.type: {_listed(owners, 'or')}, not {kind}{why}: "
+                f"drop episode.{key} or change the episode's type"
+            )
+    return fields
+
+
+def _listed(items: list[str], conjunction: str = "and") -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {conjunction} {items[-1]}"
+
+
+# _kind_of fills in the type of a YAML section before the union picks its member by it
+EpisodeConfig = Annotated[
+    CompletionEpisodeConfig
+    | FunctionEpisodeConfig
+    | RemoteEnvEpisodeConfig
+    | AgentEpisodeConfig
+    | AgentCommandEpisodeConfig,
+    Discriminator("type"),
+    BeforeValidator(_kind_of),
+]

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from asyncrl.config.base import Section, _type_or
+from asyncrl.config.base import Section, type_or
 
 
 class VllmEngineConfig(Section):
@@ -38,7 +38,7 @@ class HfEngineConfig(Section):
 class GeneratorConfig(Section):
     engine: Annotated[
         Annotated[VllmEngineConfig, Tag("vllm")] | Annotated[HfEngineConfig, Tag("hf")],
-        Discriminator(_type_or("vllm")),
+        Discriminator(type_or("vllm")),
     ] = Field(VllmEngineConfig(), description="Inference engine.")
     n_samples: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
     temperature: float = Field(

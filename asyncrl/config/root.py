@@ -16,7 +16,7 @@ from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.base import Section
 from asyncrl.config.buffer import BufferConfig, RedisBufferConfig
 from asyncrl.config.data import DataConfig
-from asyncrl.config.episode import EpisodeConfig
+from asyncrl.config.episode import MEMBERS, CompletionEpisodeConfig, EpisodeConfig
 from asyncrl.config.generator import GeneratorConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.model import ModelConfig
@@ -31,7 +31,10 @@ class Config(Section):
     data: DataConfig = DataConfig()
     buffer: BufferConfig = Field(RedisBufferConfig(), description="Trajectory buffer.")
     generator: GeneratorConfig = GeneratorConfig()
-    episode: EpisodeConfig = EpisodeConfig()
+    episode: EpisodeConfig = Field(
+        CompletionEpisodeConfig(),
+        description="What one sample is, by its type (left out: named by function, env_url, agent or agent_command).",
+    )
     learner: LearnerConfig = LearnerConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     weights: WeightsConfig = Field(ZmqWeightsConfig(), description="Weight bus from learner rank 0 to the generators.")
@@ -145,7 +148,12 @@ def load_config(
         raise UserError("invalid config: " + "; ".join(_describe(e) for e in exc.errors())) from None
 
 
-_TAGGED = {"buffer": ("redis", "memory"), "engine": ("vllm", "hf"), "weights": ("zmq", "shm", "nccl", "memory")}
+_TAGGED = {
+    "buffer": ("redis", "memory"),
+    "engine": ("vllm", "hf"),
+    "weights": ("zmq", "shm", "nccl", "memory"),
+    "episode": tuple(MEMBERS),
+}
 
 
 def _describe(error: dict) -> str:

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from asyncrl.config.base import Section, _type_or
+from asyncrl.config.base import Section, type_or
 
 
 class _WeightsBase(Section):
@@ -82,5 +82,5 @@ WeightsConfig = Annotated[
     | Annotated[ShmWeightsConfig, Tag("shm")]
     | Annotated[NcclWeightsConfig, Tag("nccl")]
     | Annotated[MemoryWeightsConfig, Tag("memory")],
-    Discriminator(_type_or("zmq")),
+    Discriminator(type_or("zmq")),
 ]

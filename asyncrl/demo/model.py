@@ -74,7 +74,7 @@ def build_tokenizer(max_positions: int = MAX_POSITIONS):
     )
 
 
-def _tiny(tokenizer, max_positions: int) -> dict:
+def tiny_llama_config(tokenizer, max_positions: int) -> dict:
     """The demo models' shared shape: 2 layers of width 128 (MLP 384), 4 heads of 32 (vLLM's CPU attention
     refuses 16), the byte tokenizer's ids, float32, untied head."""
     return dict(
@@ -95,11 +95,11 @@ def _tiny(tokenizer, max_positions: int) -> dict:
 
 
 def build_model(tokenizer, seed: int = 0, max_positions: int = MAX_POSITIONS):
-    """A fresh tiny Llama (:func:`_tiny`)."""
+    """A fresh tiny Llama (:func:`tiny_llama_config`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**_tiny(tokenizer, max_positions))
+    config = LlamaConfig(**tiny_llama_config(tokenizer, max_positions))
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).float()
 
@@ -112,7 +112,7 @@ def build_moe_model(tokenizer, seed: int = 0, max_positions: int = MAX_POSITIONS
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        **_tiny(tokenizer, max_positions),  # its intermediate_size unused: every layer is sparse
+        **tiny_llama_config(tokenizer, max_positions),  # its intermediate_size unused: every layer is sparse
         moe_intermediate_size=64,
         num_experts=8,
         num_experts_per_tok=2,

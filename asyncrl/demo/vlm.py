@@ -81,11 +81,11 @@ def build_processor(max_positions: int = MAX_POSITIONS):
 
 def build_vlm(tokenizer, seed: int = 0, max_positions: int = MAX_POSITIONS):
     """A fresh tiny Idefics3: a 2-layer, 64-wide vision tower on 8-pixel patches, the pixel-shuffle
-    connector, and the demo's Llama (``model._tiny``) as the language model; float32, untied head."""
+    connector, and the demo's Llama (``model.tiny_llama_config``) as the language model; float32, untied head."""
     import torch
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, LlamaConfig
 
-    from asyncrl.demo.model import _tiny
+    from asyncrl.demo.model import tiny_llama_config
 
     vision = Idefics3VisionConfig(
         hidden_size=64,
@@ -97,7 +97,7 @@ def build_vlm(tokenizer, seed: int = 0, max_positions: int = MAX_POSITIONS):
     )
     config = Idefics3Config(
         vision_config=vision,
-        text_config=LlamaConfig(**_tiny(tokenizer, max_positions)),
+        text_config=LlamaConfig(**tiny_llama_config(tokenizer, max_positions)),
         scale_factor=2,
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
         pad_token_id=tokenizer.pad_token_id,

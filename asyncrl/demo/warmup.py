@@ -232,12 +232,12 @@ async def _play_async(model, tokenizer, recipe: Recipe, records: Sequence[dict],
     import torch
 
     from asyncrl.chat import ChatTokens
-    from asyncrl.config import EpisodeConfig
+    from asyncrl.config import CompletionEpisodeConfig
     from asyncrl.episodes.api import Context, run_episode
 
     generator = torch.Generator().manual_seed(seed)
     lockstep = _LockstepModel(model, tokenizer, temperature, generator)
-    cfg = EpisodeConfig(max_turns=recipe.max_turns, max_tokens=recipe.max_tokens)
+    cfg = CompletionEpisodeConfig(max_turns=recipe.max_turns, max_tokens=recipe.max_tokens)
     episode, tools, parser, reward = _episode_parts(recipe, dict(cfg.options))
     chat = ChatTokens(tokenizer)
     contexts = []

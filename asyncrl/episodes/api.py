@@ -39,20 +39,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import functools
-import inspect
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.chat import Completion, stop_at
-from asyncrl.data import import_by_path, prompt_of
-from asyncrl.episodes.pool import WorkerPool
-from asyncrl.episodes.tools import Tool, ToolCall, load_parser, load_tools
-from asyncrl.episodes.user_code import LocalEnv, PooledEnv, caller, plain_env_target
-from asyncrl.errors import EpisodeFailure, UserError
+from asyncrl.data import prompt_of
+from asyncrl.episodes.tools import Tool, ToolCall
+from asyncrl.episodes.user_code import LocalEnv, PooledEnv, caller
+from asyncrl.errors import EpisodeFailure
 from asyncrl.rewards import resolve as rewards
+from asyncrl.service.pool import WorkerPool
 
 if TYPE_CHECKING:
     from asyncrl.chat import ChatTokens
@@ -404,44 +402,6 @@ def tool_episode(max_turns: int) -> Episode:
         return await ctx.score(turn.text)
 
     return episode
-
-
-def load_episode(cfg: EpisodeConfig) -> tuple[Episode, dict[str, Tool], Callable]:
-    """The episode, tools and tool-call parser the config names."""
-    tools = load_tools(cfg.tools)
-    parser = load_parser(cfg.tool_parser)
-    if cfg.agent is not None or cfg.agent_command is not None:  # an OpenAI-API agent (asyncrl.episodes.agent)
-        from asyncrl.episodes.agent import agent_episode
-
-        return agent_episode(cfg), tools, parser
-    if cfg.env_url is not None:  # an environment served by `asyncrl env-serve`, one session per episode
-        from asyncrl.episodes.remote_env import RemoteEnv
-
-        make_env = functools.partial(RemoteEnv, cfg.env_url, options=cfg.options, timeout_s=cfg.step_timeout_s)
-        return env_episode(make_env, cfg.max_turns), tools, parser
-    if cfg.function is None:
-        return (tool_episode(cfg.max_turns) if tools else single_turn), tools, parser
-    obj = import_by_path(cfg.function)
-    if inspect.isclass(obj):
-        _check_options(obj, cfg.function, cfg.options)
-        target = plain_env_target(obj, cfg.function) if cfg.plain_code == "process" else None
-        return env_episode(functools.partial(obj, **cfg.options), cfg.max_turns, target, cfg.options), tools, parser
-    if not inspect.iscoroutinefunction(obj):
-        raise UserError(f"episode.function {cfg.function!r} must be an `async def` episode or an Env class")
-    return obj, tools, parser
-
-
-def _check_options(cls: type, name: str, options: dict) -> None:
-    """``episode.options`` must fit the Env class's constructor: else the run stops at launch with one
-    line, not with every episode failing alike (``env_error``) until the failure limit trips."""
-    try:
-        signature = inspect.signature(cls)
-    except (TypeError, ValueError):  # a constructor that hides its signature: its first episode tells
-        return
-    try:
-        signature.bind(**options)
-    except TypeError as exc:
-        raise UserError(f"episode.options {sorted(options)} do not fit {name}{signature}: {exc}") from None
 
 
 # ----------------------------------------------------------------------------------- running one

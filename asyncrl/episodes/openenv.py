@@ -65,6 +65,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from asyncrl.data import import_by_path
 from asyncrl.errors import EpisodeFailure, UserError
 from asyncrl.net import backoff_s
+from asyncrl.service.client import without_credentials
 
 if TYPE_CHECKING:
     from websockets.asyncio.client import ClientConnection
@@ -119,7 +120,9 @@ class OpenEnvEnv:
             raise UserError("OpenEnvEnv needs the websockets package: pip install 'websockets>=15.0.1'")
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
-            raise UserError(f"OpenEnvEnv url {_redact(url)!r} is not an http(s):// or ws(s):// URL of a server")
+            raise UserError(
+                f"OpenEnvEnv url {without_credentials(url)!r} is not an http(s):// or ws(s):// URL of a server"
+            )
         if (timeout_s is not None and timeout_s <= 0) or session_wait_s < 0:
             raise UserError("OpenEnvEnv needs timeout_s > 0 (or None) and session_wait_s >= 0")
         scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
@@ -310,8 +313,3 @@ def _closed(exc: Exception) -> str:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-
-
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))

@@ -4,11 +4,12 @@
 session on the server, opened at ``reset`` and closed with the episode. The protocol is documented
 in :mod:`asyncrl.episodes.env_serve` (and ``docs/environments.md``).
 
-Client policy. ``timeout_s`` bounds one logical call (``reset`` opens the session too, under the same
-bound), every attempt and back-off included. A connect error, a dropped connection, 408, 429 and
-5xx are retried with jittered exponential back-off (``asyncrl.net.backoff_s``, 0.1 s doubling up to
-2 s) under the SAME request id, so a retry of a step whose answer was lost never steps twice: the
-server answers it from its cache. Nothing else is retried. Failures are
+Client policy (the kit's retrying client, :mod:`asyncrl.service.client`). ``timeout_s`` bounds one
+logical call (``reset`` opens the session too, under the same bound), every attempt and back-off
+included. A connect error, a dropped connection, 408, 429 and 5xx are retried with jittered
+exponential back-off (``asyncrl.net.backoff_s``, 0.1 s doubling up to 2 s) under the SAME request id,
+so a retry of a step whose answer was lost never steps twice: the server answers it from its cache.
+Nothing else is retried. Failures are
 :class:`~asyncrl.errors.EpisodeFailure`:
 
 * an environment fault answered by the server: its cause (``env_error``, ``env_timeout``,
@@ -37,17 +38,21 @@ down (``asyncio.run`` does; ``loop.run_until_complete(loop.shutdown_asyncgens())
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import uuid
-import weakref
-from collections.abc import AsyncIterator
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from asyncrl.errors import EpisodeFailure, UserError
-from asyncrl.net import backoff_s, redact_url
-from asyncrl.rewards.remote import _error_text, redact
+from asyncrl.net import redact_url
+from asyncrl.service.client import (
+    CallFailed,
+    Declined,
+    JsonClient,
+    LoopSessions,
+    Unanswered,
+    bearer_token,
+    without_credentials,
+)
 
 SCHEMA = "asyncrl.env"
 VERSION = 1
@@ -64,10 +69,7 @@ BACKOFF_BASE_S, BACKOFF_CAP_S = 0.1, 2.0
 # started a moment earlier) would otherwise fire first and report a bare timeout instead of the reason.
 OWN_SHARE = 0.98
 CONNECTIONS = 256  # per event loop: above a generator's episodes in flight, below any descriptor limit
-
-
-class _Retryable(Exception):
-    """An attempt that failed in a way a retry may fix (connection, 408, 429, 5xx)."""
+_SHARED = LoopSessions(CONNECTIONS)  # every RemoteEnv of a loop shares that loop's HTTP session
 
 
 class RemoteEnv:
@@ -78,17 +80,27 @@ class RemoteEnv:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UserError(f"{redact_url(url)!r} is not an http(s)://host:port URL")
         self.url = redact_url(url)  # what messages name
-        self._base = redact(url).rstrip("/")  # what requests go to
         self.options = dict(options or {})
         self.timeout_s = timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S
         if self.timeout_s <= 0:
             raise UserError("RemoteEnv needs timeout_s > 0")
-        self._token = (unquote(parts.password) if parts.password else None) or os.environ.get(TOKEN_ENV)
+        self._token = bearer_token(url, TOKEN_ENV)
         if not self._token:
             raise UserError(
                 f"no token for the environment server at {self.url}: put it in the URL (http://:TOKEN@host:port) "
                 f"or in ${TOKEN_ENV} (asyncrl env-serve prints where its token file is)"
             )
+        self._client = JsonClient(
+            without_credentials(url).rstrip("/"),  # what requests go to
+            self._token,
+            _SHARED,
+            schema=SCHEMA,
+            version=VERSION,
+            base_s=BACKOFF_BASE_S,
+            cap_s=BACKOFF_CAP_S,
+            retry_on=(408, 429),
+            where=self.url,
+        )
         self.session: str | None = None  # the server's session id, from reset until close
         self._ended = False  # the server ended the session (or cannot be reached): close sends nothing
         self._step_id = uuid.uuid4().hex  # the next step's request id (journaled before it is sent)
@@ -153,11 +165,23 @@ class RemoteEnv:
         """The server's answer to one request (its retries share its id); EpisodeFailure for a fault."""
         request_id = request_id or uuid.uuid4().hex
         try:
-            message = {"schema": SCHEMA, "version": VERSION, "id": request_id, **fields}
-            body = json.dumps(message, allow_nan=False).encode()
-        except (TypeError, ValueError) as exc:
-            raise EpisodeFailure("env_error", f"the request is not JSON: {exc}") from None
-        answer = await self._post_with_retries(path, body, deadline)  # no answer in time: close still tries
+            answer = await self._client.request(path, request_id, fields, deadline)
+        except Unanswered as exc:
+            if exc.timed_out and exc.last is None:  # a server that took the request: close still tries
+                raise EpisodeFailure("env_timeout", f"no answer from {self.url} within {self.timeout_s:g} s") from None
+            self._ended = True  # a close would only wait as long again
+            last = f"{exc.last}; then no answer" if exc.timed_out else exc.last
+            raise EpisodeFailure(
+                "env_error",
+                f"unreachable: {self.url} in {self.timeout_s:g} s ({exc.attempts} attempt(s)); last: {last}",
+            ) from None
+        except Declined as exc:
+            if exc.status == 404 and path != "/sessions":
+                self._ended = True
+                raise EpisodeFailure("env_lost", f"{self.url} no longer has the session ({exc.reason})") from None
+            raise EpisodeFailure("env_error", str(exc)) from None
+        except CallFailed as exc:
+            raise EpisodeFailure("env_error", str(exc)) from None
         if answer.get("schema") != SCHEMA or answer.get("version") != VERSION or answer.get("id") != request_id:
             got = f"{answer.get('schema')!r} version {answer.get('version')!r}, id {str(answer.get('id'))[:40]!r}"
             raise EpisodeFailure("env_error", f"{self.url} answered {got}, not {SCHEMA!r} {VERSION} to its request")
@@ -166,91 +190,3 @@ class RemoteEnv:
             self._ended = self._ended or cause in ENDED
             raise EpisodeFailure(cause, f"environment server: {' '.join(str(answer['error']).split())[:500]}")
         return answer
-
-    async def _post_with_retries(self, path: str, body: bytes, deadline: float) -> dict:
-        loop = asyncio.get_running_loop()
-        last, attempt = None, 0
-        while (left := deadline - loop.time()) > 0:
-            try:
-                async with asyncio.timeout(left):
-                    return await self._post(path, body)
-            except TimeoutError:
-                if last is None:
-                    raise EpisodeFailure(
-                        "env_timeout", f"no answer from {self.url} within {self.timeout_s:g} s"
-                    ) from None
-                last = f"{last}; then no answer"
-                break
-            except _Retryable as exc:
-                last = str(exc)
-            delay = backoff_s(attempt, BACKOFF_BASE_S, BACKOFF_CAP_S)
-            attempt += 1
-            if loop.time() + delay >= deadline:
-                break  # no retry could finish in time
-            await asyncio.sleep(delay)
-        self._ended = True  # a close would only wait as long again
-        raise EpisodeFailure(
-            "env_error", f"unreachable: {self.url} in {self.timeout_s:g} s ({attempt} attempt(s)); last: {last}"
-        )
-
-    async def _post(self, path: str, body: bytes) -> dict:
-        """One attempt: the answer of a 200; :class:`_Retryable` or :class:`EpisodeFailure` otherwise."""
-        import aiohttp
-
-        session = await _client_session()
-        headers = {"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"}
-        try:
-            async with session.post(self._base + path, data=body, headers=headers) as resp:
-                status, text = resp.status, await resp.text(errors="replace")
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from None
-        if status == 200:
-            try:
-                answer = json.loads(text)
-            except json.JSONDecodeError:
-                raise EpisodeFailure("env_error", f"{self.url} answered 200 with non-JSON {text[:80]!r}") from None
-            if not isinstance(answer, dict):
-                raise EpisodeFailure("env_error", f"{self.url} answered a {type(answer).__name__}, not an object")
-            return answer
-        reason = f"HTTP {status}: {_error_text(text)}"
-        if status in (408, 429) or status >= 500:
-            raise _Retryable(reason)
-        if status == 404 and path != "/sessions":
-            self._ended = True
-            raise EpisodeFailure("env_lost", f"{self.url} no longer has the session ({reason})")
-        raise EpisodeFailure("env_error", f"{self.url} refused the request ({reason})")
-
-
-# ----- one HTTP session per event loop ------------------------------------------------------------
-
-_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> (ClientSession, its closer)
-
-
-async def _client_session():
-    """This loop's shared ``aiohttp.ClientSession``, made on first use."""
-    import aiohttp
-
-    loop = asyncio.get_running_loop()
-    held = _SHARED.get(loop)
-    if held is not None and not held[0].closed:
-        return held[0]
-    session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=CONNECTIONS),
-        timeout=aiohttp.ClientTimeout(total=None),  # each call's own deadline bounds every attempt
-    )
-    closer = _closer(session)
-    await closer.__anext__()  # runs to its yield at once: no other coroutine can make a second session
-    _SHARED[loop] = (session, closer)
-    return session
-
-
-async def _closer(session) -> AsyncIterator[None]:
-    """Holds ``session`` open; the loop's ``shutdown_asyncgens()`` (``asyncio.run`` calls it) ends this
-    generator, which closes the session on its own loop, as aiohttp requires."""
-    try:
-        yield
-    finally:
-        loop = asyncio.get_running_loop()
-        if _SHARED.get(loop, (None,))[0] is session:
-            del _SHARED[loop]
-        await session.close()

@@ -4,14 +4,14 @@
   loop (it yields at every ``await``), a timeout cancels it cleanly (no thread or process is left
   holding it), and it costs nothing per call: the guess demo's environments and remote rewards are
   ``async`` for this reason. Its one risk is native code crashing the process; write such code plain.
-* Plain (blocking) code runs in the generator's :class:`~asyncrl.episodes.pool.WorkerPool` under
+* Plain (blocking) code runs in the generator's :class:`~asyncrl.service.pool.WorkerPool` under
   ``episode.plain_code: process`` (the default): killable worker processes, a hard deadline per call,
   a crash or memory blow-up ending only the episodes whose calls or sessions that worker held
   (``env_timeout``, ``env_crash``, ``env_memory``, ``env_lost``; ``tool_*`` and ``reward_*`` alike). The
   code must be importable by path in a fresh interpreter (a module-level function or class); what is
   not (a lambda, a closure, something defined in ``__main__``) runs on a thread, as under
   ``episode.plain_code: thread``, where a call that never returns keeps its thread past its timeout.
-  Rewards asked in one turn of the event loop share one call (:class:`Batch`, ``episode.batch_rewards``).
+  Rewards asked in one turn of the event loop share one call (:class:`RewardBatch`, ``episode.batch_rewards``).
 
 An environment class runs as one **session** per episode: its instance is built inside one worker and
 every ``reset``/``step``/``close`` of that episode goes to it (it is stateful).
@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.data import call_bounded, is_async
-from asyncrl.episodes.pool import WorkerPool
 from asyncrl.rewards.batch import EACH
+from asyncrl.service.pool import WorkerPool
 
 if TYPE_CHECKING:
     from asyncrl.episodes.api import Context
@@ -41,8 +41,8 @@ def caller(pool: WorkerPool | None, kind: str, batched: bool = False) -> Caller:
     """A :func:`~asyncrl.data.call_bounded`-shaped caller that runs plain, importable code in ``pool``
     (its faults raised as :class:`EpisodeFailure` ``{kind}_timeout`` / ``_crash`` / ``_memory`` /
     ``_error``), and everything else as ``call_bounded`` does (``TimeoutError``, or the code's own error).
-    ``batched``: calls made in one turn of the event loop share one round trip (:class:`Batch`)."""
-    batch = Batch.of(pool, kind) if batched and pool is not None else None
+    ``batched``: calls made in one turn of the event loop share one round trip (:class:`RewardBatch`)."""
+    batch = RewardBatch.of(pool, kind) if batched and pool is not None else None
 
     async def call(fn: Callable, timeout_s: float, *args: Any, **kwargs: Any) -> Any:
         target = None if pool is None or is_async(fn) else target_of(fn)
@@ -55,7 +55,7 @@ def caller(pool: WorkerPool | None, kind: str, batched: bool = False) -> Caller:
     return call
 
 
-class Batch:
+class RewardBatch:
     """Plain calls of one pool and kind made in the same turn of the event loop, sent as ONE call
     (``asyncrl.rewards.batch:each``, run in a worker like any other): the n rewards of a single-turn group,
     whose completions end together, and those of every other episode ending in the same engine step, cost
@@ -71,13 +71,13 @@ class Batch:
     a call in the worker, every call of a turn goes in one, and from the first slower or failed batch on, its
     calls go alone. Timing decides only how calls travel, never what they return."""
 
-    _ALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> {kind: its Batch}
+    _ALL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> {kind: its RewardBatch}
     SLOW_S = 0.02  # a call this slow gains nothing from sparing its ~0.3 ms round trip
     FIRST = 4
 
     @classmethod
-    def of(cls, pool: WorkerPool, kind: str) -> Batch:
-        """The one Batch of ``pool`` and ``kind``: every episode's caller shares it."""
+    def of(cls, pool: WorkerPool, kind: str) -> RewardBatch:
+        """The one RewardBatch of ``pool`` and ``kind``: every episode's caller shares it."""
         batches = cls._ALL.setdefault(pool, {})
         if kind not in batches:  # made once, not at every episode's caller
             batches[kind] = cls(pool, kind)
@@ -225,4 +225,4 @@ def target_of(obj: Any) -> str | None:
     return f"{module}:{qualname}" if found is obj else None
 
 
-__all__ = ["Batch", "Caller", "LocalEnv", "PooledEnv", "caller", "plain_env_target", "target_of"]
+__all__ = ["RewardBatch", "Caller", "LocalEnv", "PooledEnv", "caller", "plain_env_target", "target_of"]

@@ -1,5 +1,5 @@
 """One rank of an offline training run (``asyncrl sft``, ``asyncrl rm``, ``asyncrl dpo``; started by
-``asyncrl.offline.launch``), on the RL learner's DeepSpeed engine (``engine.build_engine``: ZeRO stage,
+``asyncrl.offline.launch``), on the RL learner's DeepSpeed engine (``deepspeed_engine.build_engine``: ZeRO stage,
 AdamW, lr schedule, clipping, activation checkpointing) and the RL run's directory layout.
 
 Step s trains on the examples at positions s*B .. (s+1)*B-1 of the epochs' seeded permutations, one
@@ -9,7 +9,7 @@ DPO's reference log-probs are the initial policy's, computed once before the fir
 example this rank will see (no second model in memory). Rank 0 writes ``metrics.jsonl`` and
 ``tensorboard/`` (``learner/*`` at each step, ``eval/*`` at each evaluation) and the export:
 ``export/`` (an HF model; for rm, the base model plus ``reward_head.safetensors``). A checkpoint is
-committed every ``learner.checkpoint_every`` steps and at the end (``engine.save_checkpoint``); a rank
+committed every ``learner.checkpoint_every`` steps and at the end (``deepspeed_engine.save_checkpoint``); a rank
 that finds one in its run directory (``asyncrl sft --resume runs/NAME``) goes on from that step, with
 the same examples in the same order.
 """
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from asyncrl.chat import ChatTokens
 from asyncrl.config import load_config
 from asyncrl.config.offline import OfflineConfig
-from asyncrl.learners.engine import (
+from asyncrl.learners.deepspeed_engine import (
     build_engine,
     commit_due,
     export_hf,

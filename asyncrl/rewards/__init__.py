@@ -6,11 +6,13 @@
 * ``remote``: the client of a reward server; ``serve``: ``asyncrl reward-serve``, any reward over HTTP from
   killable worker processes.
 * ``model``: a trained reward model (an ``asyncrl rm`` export) as a reward.
-* ``batch``: the worker side of batched reward calls (``asyncrl.episodes.user_code.Batch``).
+* ``batch``: the worker side of batched reward calls (``asyncrl.episodes.user_code.RewardBatch``).
 
 A reward of your own needs nothing from here: any ``module:function`` (``reward(prompt, completion, record)``).
 
-May import: the core, asyncrl.models (the reward model's head), asyncrl.observe.
+A reward server and the client of one are built from the service kit (``asyncrl.service``).
+
+May import: the core, asyncrl.models (the reward model's head), asyncrl.observe, asyncrl.service.
 """
 
 

@@ -1,4 +1,4 @@
-"""A batch of reward calls as one call in a worker of the generator's pool (``asyncrl.episodes.user_code.Batch``).
+"""A batch of reward calls as one call in a worker of the generator's pool (``asyncrl.episodes.user_code.RewardBatch``).
 
 The worker runs :func:`each` like any plain call: it imports the reward by its path and scores every item in
 turn. Nothing here is imported by the generator; the worker imports this module alone (no numpy, no torch),

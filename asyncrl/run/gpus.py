@@ -1,7 +1,7 @@
 """Which GPU each process of a local launch gets (``asyncrl launch`` on one host; Ray places its actors by
 their ``num_gpus``, SLURM by the job's GRES).
 
-Learner rank r sees every GPU and takes the r-th (``learners.engine`` sets the device from LOCAL_RANK), so
+Learner rank r sees every GPU and takes the r-th (``learners.deepspeed_engine`` sets the device from LOCAL_RANK), so
 the first L GPUs are the learners'. Each generator sees one GPU (``CUDA_VISIBLE_DEVICES``): one of those after
 the learners', round robin, or, where none is left, one of the learners' (they then share it, as vLLM takes a
 fixed fraction of its memory). Before this, every generator ran on the first GPU.

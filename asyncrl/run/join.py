@@ -66,7 +66,7 @@ def cmd_learner(args) -> int:
         GLOO_SOCKET_IFNAME=interface_of(local_address_to(host)),  # gloo's sockets face the other ranks
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from asyncrl.learners.worker import serve
+    from asyncrl.learners.trainer import serve
     from asyncrl.observe.metrics import setup_logging
 
     setup_logging(args.log_file, name=f"learner-{args.rank}")

@@ -168,7 +168,7 @@ class Launcher:
         affinity = getattr(os, "sched_getaffinity", None)  # Linux: the cores this launcher may use
         cores = sorted(affinity(0)) if affinity else list(range(os.cpu_count() or 1))
         learner_cores, generator_cores = core_plan(cores, local, cfg.run.generators)
-        # the rendezvous store listens on this address only (learners.engine), gloo's pair sockets on
+        # the rendezvous store listens on this address only (learners.deepspeed_engine), gloo's pair sockets on
         # its interface: loopback, unless ranks on other hosts join (`asyncrl learner`)
         master, ifname = "127.0.0.1", base.get("GLOO_SOCKET_IFNAME", "lo")
         if cfg.run.remote_learners:
@@ -186,7 +186,7 @@ class Launcher:
                 LOCAL_WORLD_SIZE=str(local),
             )
             log_path = logs / f"learner-{rank}.log"
-            cmd = [sys.executable, "-m", "asyncrl.learners.worker", "--config", str(config_path), "--log-file"]
+            cmd = [sys.executable, "-m", "asyncrl.learners.trainer", "--config", str(config_path), "--log-file"]
             cmd.append(str(log_path))
             pin = {learner_cores[rank]} if self.pin_cpus else None
             self.children.append(Child("learner", rank, cmd, env, log_path, cpus=pin, forks=self.forks.get("learner")))
@@ -261,7 +261,7 @@ class Launcher:
 
     def check_learners_up(self, control: RunControl) -> None:
         """Once the learner ranks are ``learner.start_timeout_s`` late (no version published since they started),
-        one line with what each local rank said it waits for (``asyncrl.learners.worker.start_phase``)."""
+        one line with what each local rank said it waits for (``asyncrl.learners.trainer.start_phase``)."""
         late = time.monotonic() - self.learners_started
         if self.learners_started_said or late < self.cfg.learner.start_timeout_s:
             return

@@ -26,7 +26,7 @@ def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = T
     """Everything that can be checked without building or starting anything; raises UserError.
     ``prompts``: also the prompts' lengths (seconds: it loads transformers and the tokenizer)."""
     from asyncrl.data import load_jsonl
-    from asyncrl.episodes.api import load_episode
+    from asyncrl.episodes.kinds import load_episode
     from asyncrl.rewards.resolve import load_reward
 
     check_named(cfg)

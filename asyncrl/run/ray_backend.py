@@ -3,7 +3,7 @@
 The launcher is the Ray driver and runs on the head node; it starts the run's redis-server there as
 the local launcher does, and trajectories and weights still travel through Redis and the weight bus,
 never through Ray objects. Each actor runs the very command line the local launcher runs (``python -m
-asyncrl.learners.worker`` / ``asyncrl.generators.worker``) as a subprocess and waits for it; Ray
+asyncrl.learners.trainer`` / ``asyncrl.generators.worker``) as a subprocess and waits for it; Ray
 only places, restarts and ends the processes. What the actors need (the Redis URL, the run's prefix
 and secret) reaches them as constructor arguments and then the subprocess environment, never a
 command line.
@@ -370,7 +370,7 @@ class RayLauncher(Launcher):
         config, run_id = str(config_path.resolve()), self.run_info["run_id"]
         for rank in range(cfg.run.learners):
             log_path = logs / f"learner-{rank}.log"
-            cmd = ["python", "-m", "asyncrl.learners.worker", "--config", config, "--log-file", str(log_path)]
+            cmd = ["python", "-m", "asyncrl.learners.trainer", "--config", config, "--log-file", str(log_path)]
             child = RayChild(LEARNER, rank, cmd, {}, log_path)
             child.actor = remote.options(
                 name=f"{run_id}/{child.name}",

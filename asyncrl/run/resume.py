@@ -4,7 +4,7 @@ Everything a run needs to go on is already on disk: the committed learner checkp
 (``checkpoint/committed.json``) and the buffer in the Redis append-only file (``redis/``). A resumed
 launch reuses the run's id, key prefix, Redis password and directory; its redis-server loads the AOF;
 its learner ranks restore the committed checkpoint and take back the entries they had pending (exactly
-what a learner restart does, see ``learners/worker.py``), so the accounting identity goes on holding
+what a learner restart does, see ``learners/trainer.py``), so the accounting identity goes on holding
 and no group is trained past its replay budget. What the old launch left mid-flight is undone here,
 before any child starts (:func:`reset_for_resume`): the stop request, the old weight-bus address and
 heartbeats, the admission slots of groups its generators admitted but never pushed, and the claim of

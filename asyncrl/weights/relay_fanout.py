@@ -26,11 +26,11 @@ from asyncrl.weights.base import log
 from asyncrl.weights.wire import (
     WIRE_HEADER,
     WeightsRejected,
-    _buf,
-    _tensor_digests,
+    as_buffer,
     check_entries,
     combine_digests,
     peek_version,
+    tensor_digests,
     tensor_view,
 )
 
@@ -72,7 +72,7 @@ def open_stream(frames: list) -> Stream:
         raise WeightsRejected("manifest buckets are not maps with nbytes")
     check_entries(manifest["tensors"], [b["nbytes"] for b in metas])
     manifest["tensors"] = sorted(manifest["tensors"], key=lambda e: e["name"])
-    head = [zmq.Frame(b"manifest"), zmq.Frame(WIRE_HEADER), zmq.Frame(bytes(_buf(frames[2])))]
+    head = [zmq.Frame(b"manifest"), zmq.Frame(WIRE_HEADER), zmq.Frame(bytes(as_buffer(frames[2])))]
     return Stream(version, manifest, head, [None] * len(metas), [None] * len(metas))
 
 
@@ -80,12 +80,12 @@ def verify_bucket(stream: Stream, index: int, frame) -> None:
     """Check one arrived bucket against the manifest and keep it; raises ``WeightsRejected``."""
     if not 0 <= index < len(stream.buckets):
         raise WeightsRejected(f"bucket index {index} out of range")
-    buf = _buf(frame)
+    buf = as_buffer(frame)
     meta = stream.manifest["buckets"][index]
     if buf.nbytes != meta["nbytes"]:
         raise WeightsRejected(f"bucket {index}: {buf.nbytes} bytes, manifest says {meta['nbytes']}")
     entries = [e for e in stream.manifest["tensors"] if e["nbytes"] and e["bucket"] == index]
-    digests = _tensor_digests([tensor_view(e, {index: buf}) for e in entries])
+    digests = tensor_digests([tensor_view(e, {index: buf}) for e in entries])
     h = xxhash.xxh3_128()
     for d in digests:
         h.update(d)

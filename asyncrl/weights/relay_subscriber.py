@@ -30,7 +30,7 @@ from asyncrl.weights.relay_fanout import (
     verify_bucket,
     verify_whole,
 )
-from asyncrl.weights.wire import WeightsRejected, WeightUpdate, _buf, _flat_tensor, tensor_views
+from asyncrl.weights.wire import WeightsRejected, WeightUpdate, as_buffer, flat_tensor, tensor_views
 
 
 class RelayWeightSubscriber(BackgroundSubscriber):
@@ -228,7 +228,7 @@ class RelayWeightSubscriber(BackgroundSubscriber):
         entries = stream.manifest["tensors"]
         update = WeightUpdate(
             version=stream.version,
-            tensors=tensor_views(entries, [_flat_tensor(_buf(f)) for f in stream.buckets]),
+            tensors=tensor_views(entries, [flat_tensor(as_buffer(f)) for f in stream.buckets]),
             checksum=stream.manifest["checksum"],
             nbytes=sum(e["nbytes"] for e in entries),
             received_at=time.time(),

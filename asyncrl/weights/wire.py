@@ -116,7 +116,7 @@ def tensor_digest(data) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
-def _tensor_digests(views: Sequence) -> list[bytes]:
+def tensor_digests(views: Sequence) -> list[bytes]:
     """Digests of many byte views: large ones on the pool's threads, small ones inline."""
     large = {i for i, v in enumerate(views) if memoryview(v).nbytes >= _PARALLEL_BYTES}
     futures = {i: _hash_pool().submit(tensor_digest, views[i]) for i in sorted(large)}
@@ -143,7 +143,7 @@ def checksums(entries: list[dict], buckets: Sequence) -> tuple[list[str], str]:
     A bucket's checksum is xxh3-128 hex over the digests of the tensors it holds, in manifest order
     (padding is not covered: it carries no data). ``entries`` must be in sorted-name order.
     """
-    digests = _tensor_digests([tensor_view(e, buckets) for e in entries])
+    digests = tensor_digests([tensor_view(e, buckets) for e in entries])
     per_bucket = [xxhash.xxh3_128() for _ in buckets]
     for e, d in zip(entries, digests, strict=True):
         if e["nbytes"]:
@@ -176,7 +176,7 @@ def state_dict_checksum(state_dict: dict[str, torch.Tensor]) -> str:
     in which the dict was built and the bucket size do not matter.
     """
     names = sorted(state_dict)
-    digests = _tensor_digests([_raw_bytes(state_dict[n]) for n in names])
+    digests = tensor_digests([_raw_bytes(state_dict[n]) for n in names])
     return combine_digests(
         (n, dtype_name(state_dict[n].dtype), state_dict[n].shape, d) for n, d in zip(names, digests, strict=True)
     )
@@ -269,7 +269,7 @@ def encode(version: int, state_dict: dict[str, torch.Tensor], bucket_bytes: int)
     return seal(snapshot(version, state_dict, bucket_bytes))
 
 
-def _buf(frame) -> memoryview:
+def as_buffer(frame) -> memoryview:
     """A flat byte view of a frame: bytes, numpy array, or zmq.Frame (its ``.buffer``)."""
     return memoryview(getattr(frame, "buffer", frame)).cast("B")
 
@@ -278,10 +278,10 @@ def peek_version(frames: Sequence) -> tuple[int, dict]:
     """Header and manifest only (cheap): the version and the decoded manifest."""
     if len(frames) < 2:
         raise WeightsRejected(f"message has {len(frames)} frames, need header and manifest")
-    if bytes(_buf(frames[0])) != WIRE_HEADER:
-        raise WeightsRejected(f"unknown header {bytes(_buf(frames[0]))[:40]!r}")
+    if bytes(as_buffer(frames[0])) != WIRE_HEADER:
+        raise WeightsRejected(f"unknown header {bytes(as_buffer(frames[0]))[:40]!r}")
     try:
-        manifest = msgpack.unpackb(_buf(frames[1]))
+        manifest = msgpack.unpackb(as_buffer(frames[1]))
     except Exception as exc:  # noqa: BLE001 - any decoding failure is a rejection
         raise WeightsRejected(f"manifest is not msgpack: {exc}") from None
     if not isinstance(manifest, dict):
@@ -336,7 +336,7 @@ def tensor_view(e: dict, buckets: list[memoryview]) -> memoryview:
     return buckets[e["bucket"]][e["offset"] : e["offset"] + e["nbytes"]]
 
 
-def _flat_tensor(buf: memoryview) -> torch.Tensor:
+def flat_tensor(buf: memoryview) -> torch.Tensor:
     """A uint8 tensor over ``buf`` without copying; it keeps the buffer alive. Received frames are
     read-only buffers: the tensors over them must not be written to (engines copy them in)."""
     if not buf.nbytes:
@@ -363,7 +363,7 @@ def decode(frames: Sequence, manifest: dict | None = None) -> WeightUpdate:
     """Verify a received message and build its CPU tensors; raises ``WeightsRejected``."""
     if manifest is None:
         _, manifest = peek_version(frames)
-    buckets = [_buf(f) for f in frames[2:]]
+    buckets = [as_buffer(f) for f in frames[2:]]
     _check_sizes(manifest, buckets)
     check_entries(manifest["tensors"], [b.nbytes for b in buckets])
     entries = sorted(manifest["tensors"], key=lambda e: e["name"])
@@ -373,7 +373,7 @@ def decode(frames: Sequence, manifest: dict | None = None) -> WeightUpdate:
             raise WeightsRejected(f"bucket {i}: checksum mismatch")
     if checksum != manifest["checksum"]:
         raise WeightsRejected("state dict checksum mismatch")
-    tensors = tensor_views(entries, [_flat_tensor(b) for b in buckets])
+    tensors = tensor_views(entries, [flat_tensor(b) for b in buckets])
     return WeightUpdate(
         version=manifest["version"],
         tensors=tensors,

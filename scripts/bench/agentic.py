@@ -6,7 +6,7 @@ keeps K episodes in flight, each 3 environment steps of a fixed 1 s, and counts 
 finishes over a window. The ideal rate is K / (3 x 1 s): the environment alone bounds it. Prints
 the curve and the worst ratio over the K that the engine has not saturated. ``--blocking``: the
 environment is plain code sleeping with ``time.sleep`` (``faulty.SleepyEnv``), run as sessions in the
-generator's pool of worker processes (``asyncrl.episodes.pool``):
+generator's pool of worker processes (``asyncrl.service.pool``):
 
     .venv/bin/python scripts/bench/agentic.py inflight --inflight 8,32,128 [--blocking]
     RESULT inflight_8_over_ideal <x>  ...
@@ -14,7 +14,7 @@ generator's pool of worker processes (``asyncrl.episodes.pool``):
 ``--agent``: the same at each K twice, alternated, the first K episodes' starts spread over one episode's
 length (a steady stream of turns, not waves of K): the guess task's prompt and model, its episodes as
 the ``ctx`` Env version and as an OpenAI-API agent (``sleepy_agent``: the real ``openai`` client
-against the generator's endpoint, ``asyncrl.episodes.agent``), with the same steps and latency; prints
+against the generator's endpoint, ``asyncrl.gateway.agent``), with the same steps and latency; prints
 each one's rate and their ratio (issue 27: within 15%):
 
     .venv/bin/python scripts/bench/agentic.py inflight --inflight 32,128 --agent
@@ -93,25 +93,25 @@ async def sustained_rate(
     """Episodes per second finished over ``window_s`` (after one episode's warm-up) with
     ``inflight`` kept running, and the engine's idle share over the window."""
     from asyncrl.chat import ChatTokens
-    from asyncrl.config import EpisodeConfig
+    from asyncrl.config import AgentEpisodeConfig, CompletionEpisodeConfig
     from asyncrl.episodes.api import Context, env_episode, run_episode
-    from asyncrl.episodes.pool import WorkerPool
     from asyncrl.episodes.tools import load_parser
     from asyncrl.generators.engine import Sampling
     from asyncrl.generators.scheduler import EnginePump
     from asyncrl.generators.weight_feed import WeightFeed
+    from asyncrl.service.pool import WorkerPool
     from asyncrl.weights import MemoryWeightBus
 
     feed = WeightFeed(MemoryWeightBus().subscriber("bench", have=0), _NoMetrics(), lambda **_: None)
     pump = EnginePump(engine, feed, "wait")
-    chat, cfg = ChatTokens(tokenizer), EpisodeConfig(step_timeout_s=60)
+    chat, cfg = ChatTokens(tokenizer), CompletionEpisodeConfig(step_timeout_s=60)
     sampling = Sampling(1, 1.0, 1.0, 8)
     prompt = chat.prompt_ids(prompt_text)
     if agent:
-        from asyncrl.episodes.agent import agent_episode
+        from asyncrl.gateway.agent import agent_episode
 
         AGENT.update(steps=steps, latency_s=latency_s)
-        pool, episode = None, agent_episode(EpisodeConfig(agent="__main__:sleepy_agent"))
+        pool, episode = None, agent_episode(AgentEpisodeConfig(agent="__main__:sleepy_agent"))
     elif blocking:  # the same steps as plain code: sessions in worker processes (the config's defaults)
         pool = WorkerPool(workers=cfg.workers, threads=cfg.worker_threads)
         options = {"steps": steps, "latency_s": latency_s}
@@ -172,7 +172,7 @@ async def sustained_rate(
     if pool is not None:
         await pool.aclose()
     if agent:  # this loop's endpoint (the next level runs on a new loop, with its own)
-        from asyncrl.episodes.openai_server import endpoint_for
+        from asyncrl.gateway.server import endpoint_for
 
         await (await endpoint_for("127.0.0.1", 0)).aclose()
     t0 = start + warmup

@@ -1,7 +1,7 @@
-"""Learner memory and step time: one learner step (``worker.train_step``) on a real HF model.
+"""Learner memory and step time: one learner step (``train_step.train_step``) on a real HF model.
 
 Each rank is a process started as the launcher starts learners (``RANK``/``WORLD_SIZE``/``MASTER_*``,
-gloo, ``learners.engine.init_distributed``), one torch thread, the demo config's GRPO
+gloo, ``learners.deepspeed_engine.init_distributed``), one torch thread, the demo config's GRPO
 (``configs/demo-cpu.yaml``), a synthetic batch of ``--sequences`` sequences (over all ranks, as
 ``learner.groups_per_step`` counts them) of ``--prompt`` + ``--response`` tokens. Peak RSS is the
 kernel's high-water mark (``VmHWM``) of each rank over its whole life: imports, model load, engine
@@ -73,17 +73,18 @@ def synthetic_groups(sequences: int, per_group: int, prompt: int, response: int,
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One learner rank: build the models as ``worker.run`` does, take the steps, print one JSON line."""
+    """One learner rank: build the models as ``trainer.run`` does, take the steps, print one JSON line."""
     import torch
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     from asyncrl.config import load_config
-    from asyncrl.learners.engine import hide_triton_without_cuda, init_distributed
-    from asyncrl.learners.worker import ScoredSampling, build_models, make_batch, train_step
+    from asyncrl.learners.batching import make_batch
+    from asyncrl.learners.deepspeed_engine import hide_triton_without_cuda, init_distributed
+    from asyncrl.learners.train_step import ScoredSampling, build_models, train_step
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    hide_triton_without_cuda()  # as worker.serve does
+    hide_triton_without_cuda()  # as trainer.serve does
     init_distributed("gloo")
     rss_imported = rss_bytes("VmRSS")
     overrides = {

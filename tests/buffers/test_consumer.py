@@ -139,7 +139,7 @@ def test_a_stopped_take_keeps_what_it_had() -> None:
 
 
 def test_a_batch_given_back_is_taken_again_with_its_uses() -> None:
-    """A rank holding its batch when another saw the run's stop gives it back (``learners.worker``):
+    """A rank holding its batch when another saw the run's stop gives it back (``learners.trainer``):
     the new group and the replay come back in the next take, the replay with its use counted once."""
     buf = MemoryBuffer()
     c = make(buf, k=2, replay_times=2)

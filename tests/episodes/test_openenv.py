@@ -179,6 +179,8 @@ def test_bad_options_are_user_errors(monkeypatch):
     monkeypatch.delenv("NO_SUCH_TOKEN", raising=False)
     with pytest.raises(UserError, match="'envs:8000' is not an http"):
         OpenEnvEnv("envs:8000")
+    with pytest.raises(UserError, match="'ftp://envs:8000' is not an http"):  # named without its token
+        OpenEnvEnv("ftp://:sekrit@envs:8000")
     with pytest.raises(UserError, match="'json:dumps' has no action"):
         OpenEnvEnv("http://envs:8000", adapter="json:dumps")
     with pytest.raises(UserError, match=r"\$NO_SUCH_TOKEN, which is not set"):

@@ -11,8 +11,9 @@ import sys
 from demo_launch import ROOT
 from test_episodes import TOK, make_ctx, scripted
 
-from asyncrl.config import EpisodeConfig
-from asyncrl.episodes.api import load_episode, run_episode
+from asyncrl.config import FunctionEpisodeConfig
+from asyncrl.episodes import load_episode
+from asyncrl.episodes.api import run_episode
 
 
 def readme_example(tmp_path):
@@ -27,7 +28,7 @@ def readme_example(tmp_path):
 
 def test_the_readme_guess_env_plays_to_its_reward(tmp_path):
     readme_example(tmp_path)
-    cfg = EpisodeConfig(function="my_task:Guess", options={"latency_s": 0.01}, max_turns=5)
+    cfg = FunctionEpisodeConfig(function="my_task:Guess", options={"latency_s": 0.01}, max_turns=5)
     episode = load_episode(cfg)[0]
     ctx = make_ctx(scripted("8", "12", "10", "11"), **{"max_turns": 5})
     ctx.task = {"prompt": "guess:", "secret": 11}

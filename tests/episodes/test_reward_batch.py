@@ -1,4 +1,4 @@
-"""Rewards asked in one turn of the event loop go to the worker pool as one call (``user_code.Batch``), with
+"""Rewards asked in one turn of the event loop go to the worker pool as one call (``user_code.RewardBatch``), with
 real worker processes: the answers are each call's own, and no outcome differs from the unbatched one --
 an error, a result that is not JSON, a hang. Timeouts here only decide which calls hang, with wide margins."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pool_targets
 import pytest
-from test_pool import in_pool
+from pool_fixtures import in_pool
 
-from asyncrl.episodes.user_code import Batch, caller
+from asyncrl.episodes.user_code import RewardBatch, caller
 from asyncrl.errors import EpisodeFailure
 from asyncrl.rewards.batch import each
 
@@ -37,8 +37,8 @@ def test_rewards_asked_in_one_turn_are_one_call_and_each_gets_its_own_answer():
     any batch is), a turn's calls are one call, each with its own answer."""
 
     async def test(pool):
-        batch = Batch(pool, "reward", slow_s=math.inf)
-        target, first = "pool_targets:reward", Batch.FIRST
+        batch = RewardBatch(pool, "reward", slow_s=math.inf)
+        target, first = "pool_targets:reward", RewardBatch.FIRST
 
         async def turn(n: int) -> list:
             return await asyncio.gather(*(batch.call(target, ["p", "x" * i, {"bonus": 10}], WAIT_S) for i in range(n)))
@@ -60,11 +60,11 @@ def test_a_first_burst_takes_one_worker_not_the_pool():
     on one worker's threads; alone, 36 of them took a thread each and started three more workers."""
 
     async def test(pool):
-        batch = Batch(pool, "reward", slow_s=math.inf)
+        batch = RewardBatch(pool, "reward", slow_s=math.inf)
         asks = [batch.call("pool_targets:reward", ["p", "x" * i, {"bonus": 1}], WAIT_S) for i in range(40)]
         assert await asyncio.gather(*asks) == [1 + i for i in range(40)]
         stats = pool.stats()
-        assert stats["calls"] == 40 // Batch.FIRST and stats["workers_started"] == 1, stats
+        assert stats["calls"] == 40 // RewardBatch.FIRST and stats["workers_started"] == 1, stats
 
     in_pool(test, workers=4, threads=16)
 
@@ -74,7 +74,7 @@ def test_a_slow_reward_goes_alone_after_its_first_batch():
     is batched once, then its calls go alone, side by side on the pool's threads."""
 
     async def test(pool):
-        batch = Batch(pool, "reward")
+        batch = RewardBatch(pool, "reward")
         target = "pool_targets:reward"
         for _ in range(2):
             answers = await asyncio.gather(*(batch.call(target, ["p", "nap", {"bonus": 1}], WAIT_S) for _ in range(4)))

@@ -23,6 +23,7 @@ import pytest
 from asyncrl.episodes import sandbox
 from asyncrl.episodes.tools import Tool, load_tools, parse_hermes
 from asyncrl.errors import EpisodeFailure
+from asyncrl.service import sandbox as engine
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="network/mount/PID namespaces and the uid drop need root")
@@ -236,9 +237,9 @@ def test_the_tool_machinerys_timeout_kills_the_tree():
 
 
 def test_unprivileged_fallback_runs_and_warns_once(monkeypatch, caplog):
-    monkeypatch.setattr(sandbox, "_privileged", lambda: False)
-    monkeypatch.setattr(sandbox, "_warned", set())
-    with caplog.at_level(logging.WARNING, logger="asyncrl.episodes.sandbox"):
+    monkeypatch.setattr(engine, "_privileged", lambda: False)
+    monkeypatch.setattr(engine, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="asyncrl.service.sandbox"):
         cwd, uid = run("import os\nprint(os.getcwd())\nprint(os.getuid())").splitlines()
         assert run("import time\nprint('started')\ntime.sleep(60)", wall_s=1).endswith("(1 s) exceeded")
     assert int(uid) == os.getuid() and cwd.startswith("/tmp/asyncrl-sandbox-")

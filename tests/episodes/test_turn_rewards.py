@@ -15,7 +15,7 @@ from test_episodes import make_ctx, scripted
 from asyncrl.config.presets import get_preset
 from asyncrl.episodes.api import env_episode, run_episode
 from asyncrl.learners.advantages import AdvantageConfig, AdvantageInput, get_advantage, token_level_rewards
-from asyncrl.learners.worker import make_batch
+from asyncrl.learners.batching import make_batch
 from asyncrl.protocol import ProtocolError, Sample, TrajectoryGroup, decode_group, encode_group
 
 # one episode: model turn (tokens 0-1), observation (2), model turn (3-4), then padding (5)

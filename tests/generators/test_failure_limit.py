@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncrl.config import EpisodeConfig
+from asyncrl.config import CompletionEpisodeConfig
 from asyncrl.episodes.api import Outcome
 from asyncrl.generators.accounting import FailureWindow
 
-DEFAULTS = EpisodeConfig()
+DEFAULTS = CompletionEpisodeConfig()
 GROUP = 8
 OK, FAILED = Outcome({"reward": 1.0}), Outcome(None, "env_error", "broke")
 

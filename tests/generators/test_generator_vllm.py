@@ -267,7 +267,7 @@ def test_the_probe_scores_what_the_learner_computes(engine, tiny_model_dir):
     """``score`` (the weight-sync probe) gives the learner's log-probs of a sequence, at temperature 1."""
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.learners.worker import probe_logprobs
+    from asyncrl.learners.train_step import probe_logprobs
 
     torch.manual_seed(11)
     learner = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -372,7 +372,7 @@ def test_a_dense_model_reloads_in_place_as_vllms_reload_does(engine, tiny_model_
     from transformers import AutoModelForCausalLM
 
     from asyncrl.generators import vllm_engine
-    from asyncrl.learners.worker import probe_logprobs
+    from asyncrl.learners.train_step import probe_logprobs
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     torch.manual_seed(5)

@@ -14,7 +14,7 @@ from vllm_common import start_engine  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.demo.model import build_moe_model, build_tokenizer  # noqa: E402
-from asyncrl.learners.worker import Models, probe_logprobs, probe_of  # noqa: E402
+from asyncrl.learners.train_step import Models, probe_logprobs, probe_of  # noqa: E402
 from asyncrl.observe.probe import routing_difference  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -25,10 +25,10 @@ def build_mixtral(tokenizer, seed: int):
     the engine maps the learner's fused ones to (``vllm_engine.checkpoint_names``)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from asyncrl.demo.model import _tiny
+    from asyncrl.demo.model import tiny_llama_config
 
     config = MixtralConfig(
-        **{**_tiny(tokenizer, 64), "intermediate_size": 64}, num_local_experts=8, num_experts_per_tok=2
+        **{**tiny_llama_config(tokenizer, 64), "intermediate_size": 64}, num_local_experts=8, num_experts_per_tok=2
     )
     torch.manual_seed(seed)
     return MixtralForCausalLM(config).float()

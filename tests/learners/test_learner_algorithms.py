@@ -145,7 +145,7 @@ def test_overlong_penalty_matches_the_paper(lengths, max_len, buffer, penalty):
 
 
 def test_make_batch_shapes_rewards_and_groups():
-    from asyncrl.learners.worker import make_batch
+    from asyncrl.learners.batching import make_batch
 
     cfg = load_config(None, {"generator.max_new_tokens": 10, "algorithm.name": "dapo"})
 
@@ -203,7 +203,7 @@ def _critic_round_trip(rank: int, model_path: str, run_dir: str) -> None:
     from pathlib import Path
 
     os.environ.update(LOCAL_RANK="0")
-    from asyncrl.learners.engine import build_engine, load_committed, save_checkpoint
+    from asyncrl.learners.deepspeed_engine import build_engine, load_committed, save_checkpoint
     from asyncrl.learners.models import build_critic
 
     cfg = load_config(None, {"model.path": model_path, "algorithm.name": "ppo", "learner.zero_stage": 0})

@@ -186,14 +186,14 @@ def test_a_head_that_post_processes_its_logits_is_scored_through_them():
 
 
 def test_a_cpu_learner_never_imports_triton_and_its_model_still_trains():
-    """learners.engine.hide_triton_without_cuda (96 MB of a CPU learner's memory): in a fresh process the
+    """learners.deepspeed_engine.hide_triton_without_cuda (96 MB of a CPU learner's memory): in a fresh process the
     model import, a forward and a backward run and triton was never loaded."""
     import subprocess
     import sys
 
     code = """
 import sys, torch
-from asyncrl.learners.engine import hide_triton_without_cuda
+from asyncrl.learners.deepspeed_engine import hide_triton_without_cuda
 hide_triton_without_cuda()
 from transformers import LlamaConfig, LlamaForCausalLM
 import torch.utils._triton as t
@@ -242,7 +242,7 @@ def _tied_rank(rank: int) -> None:
 
     os.environ.update(LOCAL_RANK="0")
     from asyncrl.config import load_config
-    from asyncrl.learners.engine import build_engine
+    from asyncrl.learners.deepspeed_engine import build_engine
 
     cfg = load_config(None, {"learner.zero_stage": 0, "model.dtype": "float32"})
     batch = ragged_batch()

@@ -11,7 +11,7 @@ from gloo_ranks import run_on_ranks
 
 
 def _rank(rank: int) -> None:
-    # run_on_ranks meets through learners.engine.init_distributed with MASTER_ADDR=127.0.0.1
+    # run_on_ranks meets through learners.deepspeed_engine.init_distributed with MASTER_ADDR=127.0.0.1
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
     assert float(total) == 3.0  # the group works

@@ -1,7 +1,7 @@
 """Several optimizer steps per batch (``learner.minibatches``): pi_prox and V_old are the batch's start.
 
-``worker.train_step`` runs here on the tiny models of tests/learners/test_loss_split.py behind a stand-in for
-the few DeepSpeed engine calls the learner makes (forward, backward, step; SGD, gradients averaged
+``train_step.train_step`` runs here on the tiny models of tests/learners/test_loss_split.py behind a stand-in
+for the few DeepSpeed engine calls the learner makes (forward, backward, step; SGD, gradients averaged
 over ranks as DeepSpeed does), so the mini-batch loop itself is what is tested:
 
 * minibatches = 1 is the one-step path (``objective.step_loss``) exactly;
@@ -26,7 +26,7 @@ from asyncrl.config import load_config
 from asyncrl.config.presets import PRESETS
 from asyncrl.learners.batching import pad_batch, sequence_logprobs
 from asyncrl.learners.objective import Reducer, StepBatch, step_loss
-from asyncrl.learners.worker import Models, ScoredSampling, train_step
+from asyncrl.learners.train_step import Models, ScoredSampling, train_step
 
 TOL = 1e-6
 
@@ -165,7 +165,7 @@ def test_two_minibatches_clip_against_the_policy_from_before_the_first_step(corr
 
 
 def test_the_lr_schedule_counts_batches_not_optimizer_steps():
-    from asyncrl.learners.engine import lr_lambda
+    from asyncrl.learners.deepspeed_engine import lr_lambda
 
     one = lr_lambda(load_config(None, {"learner.warmup_steps": 2}).learner, 10)
     four = lr_lambda(load_config(None, {"learner.warmup_steps": 2, "learner.minibatches": 4}).learner, 10)

@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from asyncrl.config.presets import get_preset
+from asyncrl.learners.batching import make_batch
 from asyncrl.learners.objective import StepLoss
 from asyncrl.learners.records import step_record
-from asyncrl.learners.worker import behaviour_mismatch, make_batch
+from asyncrl.learners.train_step import behaviour_mismatch
 from asyncrl.protocol import Sample, TrajectoryGroup
 
 LEARNER_VERSION = 5

@@ -12,10 +12,9 @@ from PIL import Image
 from asyncrl.config import ModelConfig
 from asyncrl.config.presets import get_preset
 from asyncrl.errors import UserError
-from asyncrl.learners.batching import model_logprobs
+from asyncrl.learners.batching import make_batch, model_logprobs
 from asyncrl.learners.models import image_inputs
 from asyncrl.learners.vision import BatchImages, published_names
-from asyncrl.learners.worker import make_batch
 from asyncrl.models.vision import VisionInputs, causal_lm_class, freeze_vision, language_names
 from asyncrl.protocol import Sample, TrajectoryGroup
 

@@ -122,7 +122,7 @@ def test_exhausted_retries_are_reward_error():
     assert len(fake.ids) == 3 and len(set(fake.ids)) == 1
 
 
-@pytest.mark.parametrize("code", [400, 401, 404, 409, 413])
+@pytest.mark.parametrize("code", [400, 401, 404, 408, 409, 413])
 def test_4xx_is_not_retried(code: int):
     fake, got = asyncio.run(call(statuses(code), retries=3))
     assert isinstance(got, EpisodeFailure) and got.cause == "reward_error" and f"HTTP {code}" in got.detail
@@ -223,6 +223,20 @@ def test_concurrency_limit_is_honoured():
     assert got == [1.0] * calls
     assert fake.max_inflight == limit
     assert len(set(fake.ids)) == calls  # one id per logical request
+
+
+def test_the_loops_session_closes_with_the_loop_without_close():
+    async def handler(msg, n):
+        return ok(msg)
+
+    async def main() -> RemoteReward:
+        async with fake_server(handler) as (fake, url):
+            rr = RemoteReward(url, timeout_s=10, token=TOKEN)
+            assert await rr("p", "c", {}) == 1.0
+            assert len(rr._sessions) == 1
+            return rr
+
+    assert len(asyncio.run(main())._sessions) == 0  # closed by asyncio.run's shutdown of async generators
 
 
 # ----- the token -----------------------------------------------------------------------------------

@@ -137,7 +137,7 @@ def test_the_next_checkpoint_that_will_not_fit_is_warned_a_checkpoint_ahead(tmpf
 
 
 def test_the_learner_checks_the_room_before_it_saves(tmpfs):
-    """What a learner rank logs right before a save that will not fit (learners.engine.save_checkpoint)."""
+    """What a learner rank logs right before a save that will not fit (learners.deepspeed_engine.save_checkpoint)."""
     from asyncrl.learners.checkpoint import room_shortfall
 
     disk = tmpfs("8m")

@@ -1,4 +1,4 @@
-"""The worker side of :mod:`asyncrl.episodes.pool`: one fresh interpreter running plain user code.
+"""The worker side of :mod:`asyncrl.service.pool`: one fresh interpreter running plain user code.
 
 A worker loads this file alone (by path, not through the ``asyncrl.episodes`` package, whose episode
 API imports numpy and more), so a replacement is up in ~0.1 s; the wire is described in the pool's
@@ -35,9 +35,9 @@ class WorkerFault(EpisodeFailure):
         self.kind, self.what = kind, what
 
 
-def worker_main(parent_pid: int, threads: int) -> int:
-    """A worker's loop: read requests from stdin, run each on a thread, answer on stdout; exit when
-    stdin closes (without waiting for threads that may never return)."""
+def worker_main(parent_pid: int, threads: int, preload: list[str] | tuple[str, ...] = ()) -> int:
+    """A worker's loop: import ``preload``, then read requests from stdin, run each on a thread, answer on
+    stdout; exit when stdin closes (without waiting for threads that may never return)."""
     from asyncrl.lifetime import die_with
 
     die_with(parent_pid, signal.SIGKILL)()
@@ -57,6 +57,9 @@ def worker_main(parent_pid: int, threads: int) -> int:
             channel.write(line)
             channel.flush()
 
+    for target in preload:  # a failure here is left to the call that needs the target: it reports it
+        with contextlib.suppress(_TargetError):
+            _resolve(target)
     sessions: dict[int, _Held] = {}
     send(encode({"ready": True, "version": VERSION, "pid": os.getpid(), "threads": threads}))
     executor = ThreadPoolExecutor(threads, thread_name_prefix="user-code")

@@ -14,17 +14,18 @@ import textwrap
 import httpx
 import openai
 import pytest
-from test_chat_tokens import smollm2  # noqa: F401 - SmolLM2's tokenizer (a fixture)
+from episode_configs import episode_config
 
 from asyncrl.chat import ChatTokens, Completion
-from asyncrl.config import EpisodeConfig
+from asyncrl.config import AgentCommandEpisodeConfig, AgentEpisodeConfig, CompletionEpisodeConfig
 from asyncrl.demo import calc, guess
 from asyncrl.demo.model import build_tokenizer
-from asyncrl.episodes.agent import agent_episode
-from asyncrl.episodes.api import Context, env_episode, load_episode, run_episode, tool_episode
-from asyncrl.episodes.openai_server import Endpoint, close_endpoint, endpoint_for
+from asyncrl.episodes import load_episode
+from asyncrl.episodes.api import Context, env_episode, run_episode, tool_episode
 from asyncrl.episodes.tools import load_parser, load_tools
 from asyncrl.errors import UserError
+from asyncrl.gateway.agent import agent_episode
+from asyncrl.gateway.server import Endpoint, close_endpoint, endpoint_for
 
 TOK = build_tokenizer()
 GUESS = "asyncrl.demo.guess_agent:play"
@@ -44,7 +45,7 @@ def scripted(chat: ChatTokens, *texts: str):
 
 
 def make_ctx(chat: ChatTokens, task: dict, complete, budget: int = 300, max_new: int = 64, **cfg) -> Context:
-    ep = EpisodeConfig(**cfg)
+    ep = CompletionEpisodeConfig(**cfg)
     return Context(
         task=task,
         seed=1,
@@ -79,7 +80,7 @@ def with_endpoint(work):
 
 
 def play_agent(endpoint: Endpoint, ctx: Context, **cfg):
-    return run_episode(agent_episode(EpisodeConfig(**cfg), endpoint), ctx, 60)
+    return run_episode(agent_episode(episode_config(**cfg), endpoint), ctx, 60)
 
 
 # ----- token identity ------------------------------------------------------------------------------------
@@ -241,7 +242,7 @@ def test_an_agent_program_past_the_episodes_timeout_is_killed(tmp_path):
     program.write_text(f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(3600)")
     chat, task = ChatTokens(TOK), {"prompt": guess.PROMPT, "secret": 9}
     ctx = make_ctx(chat, task, scripted(chat))
-    episode = agent_episode(EpisodeConfig(agent_command=[sys.executable, str(program)]))
+    episode = agent_episode(AgentCommandEpisodeConfig(agent_command=[sys.executable, str(program)]))
     out = asyncio.run(run_episode(episode, ctx, 3.0))  # time enough for the program to start on a busy machine
     assert out.status == "episode_timeout"
     pid = int(pid_file.read_text())
@@ -368,10 +369,10 @@ def test_an_event_loop_has_one_endpoint_until_the_generator_closes_it():
 
 def test_config_names_one_episode_and_load_episode_builds_the_agent():
     with pytest.raises(ValueError, match="give one"):
-        EpisodeConfig(agent="asyncrl.demo.guess_agent:play", function="asyncrl.demo.guess:Env")
+        episode_config(agent="asyncrl.demo.guess_agent:play", function="asyncrl.demo.guess:Env")
     with pytest.raises(UserError, match="async def agent"):
-        load_episode(EpisodeConfig(agent="asyncrl.demo.guess:reward"))
-    episode, _, _ = load_episode(EpisodeConfig(agent_command="true"))
+        load_episode(AgentEpisodeConfig(agent="asyncrl.demo.guess:reward"))
+    episode, _, _ = load_episode(AgentCommandEpisodeConfig(agent_command="true"))
     assert callable(episode)
 
 
@@ -410,7 +411,10 @@ def test_a_real_engine_gives_the_agent_and_the_env_episode_the_same_tokens(tiny_
         await endpoint.start()
         try:
             played = []
-            for episode in (env_episode(guess.Env, max_turns=4), agent_episode(EpisodeConfig(agent=GUESS), endpoint)):
+            for episode in (
+                env_episode(guess.Env, max_turns=4),
+                agent_episode(AgentEpisodeConfig(agent=GUESS), endpoint),
+            ):
                 complete = lambda ids, n: pump.complete(ids, dataclasses.replace(sampling, max_new_tokens=n))  # noqa: E731
                 ctx = make_ctx(chat, task, complete, max_new=4)  # the guess agent asks for 4 tokens a turn
                 played.append((await run_episode(episode, ctx, 60), ctx))

@@ -8,11 +8,11 @@ secret of this process: unguessable, and worthless for any other session):
 
 * ``POST /chat/completions`` and ``POST /completions``: one model turn through the episode's
   ``ctx.generate`` (the same engine pump, admission, weights, budgets and timeouts as any episode), its
-  messages matched against the sample (``asyncrl.episodes.transcript``);
+  messages matched against the sample (``asyncrl.gateway.transcript``);
 * ``GET /models``; ``POST /sessions/<id>/reward`` (``{"reward": x}`` or ``{"parts": {...}}``): the
   episode's reward, for an agent program that has one.
 
-An agent function's client (``asyncrl.episodes.agent``) reaches its session in process, through
+An agent function's client (``asyncrl.gateway.agent``) reaches its session in process, through
 :class:`LocalTransport` (the same :meth:`Endpoint.handle`, without socket, HTTP parsing and connection
 pool: the agents run on the generator's loop, so their HTTP would be its CPU); agent programs and
 anything else come over the socket.
@@ -43,10 +43,10 @@ import secrets
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.episodes.openai_wire import CHAT, COMPLETION, MODEL, answer_body, check_params, events, stops
-from asyncrl.episodes.transcript import Answer, BadRequest, Conversation, request_tools
 from asyncrl.errors import EpisodeFailure
-from asyncrl.rewards.serve import MAX_BODY, MAX_DEPTH, json_depth, read_deadline_s
+from asyncrl.gateway.transcript import Answer, BadRequest, Conversation, request_tools
+from asyncrl.gateway.wire import CHAT, COMPLETION, MODEL, answer_body, check_params, events, stops
+from asyncrl.service.http import MAX_BODY, MAX_DEPTH, json_depth, read_deadline_s
 
 if TYPE_CHECKING:
     from asyncrl.episodes.api import Context
@@ -90,7 +90,7 @@ def bad(message: str, code: str = "invalid_request", param: str | None = None) -
 
 
 @dataclasses.dataclass(eq=False)
-class Session:
+class AgentSession:
     """One agent episode's view of the endpoint."""
 
     sid: str
@@ -124,7 +124,7 @@ class Session:
 class Endpoint:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, max_body: int = MAX_BODY):
         self.host, self.port, self.max_body = host, port, max_body
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, AgentSession] = {}
         self._secret = secrets.token_bytes(32)
         self._runner = None
 
@@ -154,15 +154,15 @@ class Endpoint:
         return httpx.AsyncClient(transport=LocalTransport(self), trust_env=False, timeout=CLIENT_TIMEOUT_S)
 
     # -- sessions -----------------------------------------------------------------------------------------
-    def open(self, ctx: Context, parser, parser_name: str) -> Session:
+    def open(self, ctx: Context, parser, parser_name: str) -> AgentSession:
         sid = secrets.token_urlsafe(12)
         host = f"[{self.host}]" if ":" in self.host else self.host
         url = f"http://{host}:{self.port}/sessions/{sid}/v1"
-        session = Session(sid, self._key(sid), url, Conversation(ctx, parser, parser_name))
+        session = AgentSession(sid, self._key(sid), url, Conversation(ctx, parser, parser_name))
         self.sessions[sid] = session
         return session
 
-    def close(self, session: Session) -> None:
+    def close(self, session: AgentSession) -> None:
         """The session ends: its key stops working, a turn still running is cancelled."""
         self.sessions.pop(session.sid, None)
         for task in session.running:
@@ -171,7 +171,7 @@ class Endpoint:
     def _key(self, sid: str) -> str:
         return KEY_PREFIX + hmac.new(self._secret, sid.encode(), hashlib.sha256).hexdigest()
 
-    def _session(self, sid: str, authorization: str) -> Session:
+    def _session(self, sid: str, authorization: str) -> AgentSession:
         given = authorization.removeprefix("Bearer ").strip()
         if not hmac.compare_digest(given.encode(), self._key(sid).encode()):
             raise ApiError(401, "missing or wrong API key for this session", "invalid_request_error", "invalid_api_key")
@@ -222,7 +222,7 @@ class Endpoint:
             log.exception("agent endpoint: a request failed")
             return ApiError(500, f"{type(exc).__name__}: {exc}", "server_error", "internal_error").reply()
 
-    async def _op(self, session: Session, op: str, raw: bytes) -> Reply:
+    async def _op(self, session: AgentSession, op: str, raw: bytes) -> Reply:
         if op == "v1/models":
             card = {"id": MODEL, "object": "model", "created": 0, "owned_by": "asyncrl"}
             return Reply(200, json.dumps({"object": "list", "data": [card]}).encode())
@@ -243,7 +243,7 @@ class Endpoint:
             return Reply(200, events(full, chat), "text/event-stream")
         return Reply(200, json.dumps(full).encode())
 
-    async def _chat(self, session: Session, body: dict) -> Answer:
+    async def _chat(self, session: AgentSession, body: dict) -> Answer:
         tools = request_tools(body.get("tools"))
         choice = body.get("tool_choice", "auto")
         if choice not in ("auto", "none", None):
@@ -253,7 +253,7 @@ class Endpoint:
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         return await session.conversation.chat(body.get("messages"), tools, limit, stops(body))
 
-    async def _complete(self, session: Session, body: dict) -> Answer:
+    async def _complete(self, session: AgentSession, body: dict) -> Answer:
         return await session.conversation.complete(body.get("prompt"), body.get("max_tokens"), stops(body))
 
 

@@ -17,7 +17,7 @@ processes and threads stay bounded whatever the code does:
   others there are collateral: a stateless call (:meth:`WorkerPool.call`) runs again on another
   worker within its own timeout (building a session: once more), so plain tools and rewards may run
   twice when a neighbour's hang killed their worker; a session with a call in flight is ``lost``, one
-  idle is rebuilt elsewhere at its next call by **replay** (:mod:`asyncrl.episodes.pool_sessions`):
+  idle is rebuilt elsewhere at its next call by **replay** (:mod:`asyncrl.service.sessions`):
   its recorded calls made again, each checked to return what it did.
 * **Queueing** for a free thread never counts against a call's timeout; callers are served first come,
   first served. A call failed by its worker's death returns once that worker is reaped.
@@ -58,20 +58,21 @@ import os
 import sys
 from typing import Any
 
-from asyncrl.episodes.pool_sessions import Session, Suspect, fail_sessions
-from asyncrl.episodes.pool_worker import MAX_LINE, VERSION, WorkerFault, death, rss_bytes
-from asyncrl.episodes.pool_worker import encode as _encode
 from asyncrl.errors import EpisodeFailure
+from asyncrl.service.pool_worker import MAX_LINE, VERSION, WorkerFault, death, rss_bytes
+from asyncrl.service.pool_worker import encode as _encode
+from asyncrl.service.sessions import Session, Suspect, fail_sessions
 
-log = logging.getLogger("asyncrl.episodes.pool")
+log = logging.getLogger("asyncrl.service.pool")
 
 START_TIMEOUT_S = 60.0  # a fresh interpreter is up in a second; this is for a machine under heavy load
 MEMORY_POLL_S = 0.2  # RSS checks: a blow-up at GB/s overshoots the limit by a fraction of a second's growth
 REAP_WAIT_S = 5.0  # a SIGKILLed process is gone in milliseconds unless stuck in the kernel (NFS)
-_WORKER_CODE = (  # argv: pool_worker.py, the parent's sys.path, its pid, threads
+_WORKER_CODE = (  # argv: pool_worker.py, the parent's sys.path, its pid, threads, what to preload
     "import importlib.util as u, json, sys; sys.path[:] = json.loads(sys.argv[2]); "
     "s = u.spec_from_file_location('_asyncrl_pool_worker', sys.argv[1]); m = u.module_from_spec(s); "
-    "sys.modules[s.name] = m; s.loader.exec_module(m); sys.exit(m.worker_main(int(sys.argv[3]), int(sys.argv[4])))"
+    "sys.modules[s.name] = m; s.loader.exec_module(m); "
+    "sys.exit(m.worker_main(int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])))"
 )
 
 
@@ -95,7 +96,7 @@ class _Call:
         self.timer: asyncio.TimerHandle | None = None
 
 
-class _Worker:
+class Worker:
     """One worker process as the parent sees it. ``load`` (reserved + sent) never exceeds ``threads``."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
@@ -116,24 +117,28 @@ class _Worker:
 
 class WorkerPool:
     """Up to ``workers`` worker processes of ``threads`` threads each (and one for a suspect), for one
-    generator's event loop. ``memory_mb`` bounds each shared worker's RSS; ``name`` names the code."""
+    generator's event loop. ``memory_mb`` bounds each shared worker's RSS; ``name`` names the code.
+    ``preload``: import paths a worker imports before it is ready, within ``start_timeout_s`` rather than
+    a call's timeout (a heavy module: sympy, torch); one that fails there fails the call that needs it."""
 
-    def __init__(self, *, workers: int = 4, threads: int = 32, memory_mb: int | None = None, name: str = "user code"):
+    def __init__(self, *, workers: int = 4, threads: int = 32, memory_mb: int | None = None, name: str = "user code",
+                 start_timeout_s: float = START_TIMEOUT_S, preload: tuple[str, ...] = ()):  # fmt: skip
         if workers < 1 or threads < 1 or (memory_mb is not None and memory_mb < 1):
             raise ValueError("a worker pool needs workers >= 1, threads >= 1 and memory_mb >= 1 (or None)")
         self.workers, self.threads, self.memory_mb, self.name = workers, threads, memory_mb, name
-        self._workers: list[_Worker] = []  # starting or running; a killed one leaves at once
+        self.start_timeout_s, self.preload = start_timeout_s, list(preload)
+        self._workers: list[Worker] = []  # starting or running; a killed one leaves at once
         self._waiters: collections.deque[asyncio.Future] = collections.deque()  # stateless calls for a slot
         self._tasks: set[asyncio.Task] = set()  # spawns, readers, the memory poll
         self._exits: set[asyncio.Task] = set()
-        self._ids = itertools.count(1)
-        self._detached: set[Session] = set()  # sessions whose worker died, awaiting their replay
-        self._lone: _Worker | None = None  # a suspect's own, one at a time, beyond ``workers``
+        self.ids = itertools.count(1)
+        self.detached: set[Session] = set()  # sessions whose worker died, awaiting their replay
+        self._lone: Worker | None = None  # a suspect's own, one at a time, beyond ``workers``
         self._lone_held = False
         self._lone_queue: collections.deque[asyncio.Future] = collections.deque()
         self._closed = False
         self._poll: asyncio.Task | None = None
-        self._stats = dict.fromkeys(
+        self.counters = dict.fromkeys(
             ("workers_started", "peak_workers", "peak_threads", "calls", "sessions_opened", "timeouts",
              "crashes", "memory_kills", "lost", "retried", "sessions_replayed", "replay_mismatch",
              "replay_failed", "suspects_cleared", "suspects_blamed"), 0)  # fmt: skip
@@ -143,7 +148,7 @@ class WorkerPool:
         """``target(*args, **kwargs)`` on any worker with a free thread; run again whenever another call's
         hang killed that worker, within ``timeout_s`` of its first send (then ``timeout``: the call may
         have hung itself, its neighbour's deadline coming just before its own)."""
-        self._stats["calls"] += 1
+        self.counters["calls"] += 1
         message = {"op": "call", "target": target, "args": list(args), "kwargs": dict(kwargs)}
         loop, deadline, runs = asyncio.get_running_loop(), None, 0
         while True:
@@ -157,11 +162,11 @@ class WorkerPool:
                     why = f"ran {runs} times, its worker killed each time for another call's hang"
                     raise WorkerFault(kind, "timeout", f"{target} gave no answer within {timeout_s:g} s ({why})")
                 runs += 1
-                return await self._ask(worker, message, left, kind, target)
+                return await self.ask(worker, message, left, kind, target)
             except _Unsent:
                 continue
             except _Collateral as exc:
-                self._stats["retried"] += 1
+                self.counters["retried"] += 1
                 log.info("%s: running %s again on another worker: %s", self.name, target, exc)
 
     async def open(self, target: str, kwargs: dict, *, timeout_s: float, kind: str = "env") -> Session:
@@ -169,24 +174,24 @@ class WorkerPool:
         if another call's hang killed that worker meanwhile)."""
         retried = False
         while True:
-            worker = await self._session_slot(kind)
+            worker = await self.session_slot(kind)
             session = Session(self, worker, kind, target, kwargs)
             worker.sessions.add(session)  # from now on its worker's death fails it
             message = {"op": "open", "session": session.id, "target": target, "kwargs": dict(kwargs)}
             try:
-                await self._ask(worker, message, timeout_s, kind, target, session)
+                await self.ask(worker, message, timeout_s, kind, target, session)
             except WorkerFault as exc:
                 worker.sessions.discard(session)
                 if exc.what != "lost" or retried or self._closed:
                     raise
                 retried = True
-                self._stats["lost"] -= 1  # counted when its worker died; it is built again instead
-                self._stats["retried"] += 1
+                self.counters["lost"] -= 1  # counted when its worker died; it is built again instead
+                self.counters["retried"] += 1
                 continue
             except BaseException:  # cancelled: an object built after this stays in its worker till it ends
                 worker.sessions.discard(session)
                 raise
-            self._stats["sessions_opened"] += 1
+            self.counters["sessions_opened"] += 1
             return session
 
     async def aclose(self) -> None:
@@ -204,11 +209,11 @@ class WorkerPool:
 
     def stats(self) -> dict[str, int]:
         """Counters since start; ``workers_alive`` and ``sessions_open`` (detached ones too) are now."""
-        open_ = sum(len(w.sessions) for w in self._workers) + len(self._detached)
-        return {**self._stats, "workers_alive": len(self._workers), "sessions_open": open_}
+        open_ = sum(len(w.sessions) for w in self._workers) + len(self.detached)
+        return {**self.counters, "workers_alive": len(self._workers), "sessions_open": open_}
 
     # -- placing calls -------------------------------------------------------------------------------
-    async def _call_slot(self, kind: str) -> _Worker:
+    async def _call_slot(self, kind: str) -> Worker:
         """A started worker with a slot reserved for this call: the least loaded one with a free thread,
         else a new one while fewer than ``workers`` run, else the first slot to free up."""
         again = False
@@ -225,7 +230,7 @@ class WorkerPool:
             await self._wait(self._waiters, again)
             again = True
 
-    async def _session_slot(self, kind: str) -> _Worker:
+    async def session_slot(self, kind: str) -> Worker:
         """A new worker while fewer than ``workers`` run, else the one holding fewest sessions; a slot
         on it reserved."""
         again = False
@@ -244,7 +249,7 @@ class WorkerPool:
             await self._wait(worker.waiters, again)
             again = True
 
-    async def _session_call(self, session: Session, message: dict, timeout_s: float) -> Any:
+    async def session_call(self, session: Session, message: dict, timeout_s: float) -> Any:
         worker, label = session.worker, message.get("method", message["op"])
         again = False
         while session.failure is None and worker.load >= self.threads:
@@ -253,7 +258,7 @@ class WorkerPool:
         if session.failure is not None:
             raise WorkerFault(session.kind, *session.failure)
         worker.reserved += 1
-        return await self._ask(worker, message, timeout_s, session.kind, f"{session.target}.{label}", session)
+        return await self.ask(worker, message, timeout_s, session.kind, f"{session.target}.{label}", session)
 
     async def _wait(self, queue: collections.deque, again: bool) -> None:
         """Until :meth:`_wake` releases this caller (first in line again if it was released before)."""
@@ -280,10 +285,10 @@ class WorkerPool:
             raise WorkerFault(kind, "lost", f"the {self.name} pool is closed")
 
     # -- one request ---------------------------------------------------------------------------------
-    async def _ask(self, worker: _Worker, message: dict, timeout_s: float, kind: str, label: str, session=None):
+    async def ask(self, worker: Worker, message: dict, timeout_s: float, kind: str, label: str, session=None):
         """Send ``message`` in the slot reserved on ``worker``; its answer, or its fault. The deadline
         runs from the send, on a timer, so it fires even when the caller was cancelled meanwhile."""
-        rid = next(self._ids)
+        rid = next(self.ids)
         try:
             line = _encode({"id": rid, **message})
         except (TypeError, ValueError, RecursionError) as exc:
@@ -306,16 +311,16 @@ class WorkerPool:
                 await asyncio.wait([worker.exited], timeout=REAP_WAIT_S)
             raise exc from None
 
-    def _expire(self, worker: _Worker, rid: int, why: str) -> None:
+    def _expire(self, worker: Worker, rid: int, why: str) -> None:
         if rid in worker.pending:
             self._kill(worker, "timeout", f"{why}; its worker (pid {worker.pid}) was killed", culprit=rid)
 
-    def _answer(self, worker: _Worker, msg: dict) -> None:
+    def _answer(self, worker: Worker, msg: dict) -> None:
         call = worker.pending.pop(msg.get("id"), None)
         if call is None:
             return
         call.timer.cancel()
-        self._stats["peak_threads"] = max(self._stats["peak_threads"], int(msg.get("threads", 0)))
+        self.counters["peak_threads"] = max(self.counters["peak_threads"], int(msg.get("threads", 0)))
         if not call.future.done():
             if "ok" in msg:
                 call.future.set_result(msg["ok"])
@@ -326,9 +331,9 @@ class WorkerPool:
         self._wake()
 
     # -- a worker's life -----------------------------------------------------------------------------
-    async def _alone(self, kind: str) -> _Worker:
+    async def alone(self, kind: str) -> Worker:
         """A fresh worker for one suspect, a slot reserved on it, once this caller's turn comes (first
-        come, first served; waiting is free); :meth:`_alone_done` kills it and ends the turn."""
+        come, first served; waiting is free); :meth:`alone_done` kills it and ends the turn."""
         loop = asyncio.get_running_loop()
         while self._lone_held:
             waiter = loop.create_future()
@@ -348,30 +353,30 @@ class WorkerPool:
         try:
             return await self._started(self._lone, kind)
         except BaseException as exc:
-            self._alone_done(None)
+            self.alone_done(None)
             if isinstance(exc, _Unsent):
                 raise WorkerFault(kind, "crash", "a worker for a suspect alone died before its first call") from None
             raise
 
-    def _alone_done(self, session: Session | None) -> None:
+    def alone_done(self, session: Session | None) -> None:
         if self._lone is not None:
             self._lone.sessions.discard(session)
             self._kill(self._lone, "lost", f"a suspect of {self.name} ran alone on this worker")
         self._lone, self._lone_held = None, False
         _release(self._lone_queue, 1)
 
-    def _start(self, shared: bool = True) -> _Worker:
-        worker = _Worker(asyncio.get_running_loop())
+    def _start(self, shared: bool = True) -> Worker:
+        worker = Worker(asyncio.get_running_loop())
         if shared:
             self._workers.append(worker)
-        self._stats["workers_started"] += 1
-        self._stats["peak_workers"] = max(self._stats["peak_workers"], len(self._workers))
+        self.counters["workers_started"] += 1
+        self.counters["peak_workers"] = max(self.counters["peak_workers"], len(self._workers))
         self._track(self._spawn(worker))
         if self.memory_mb is not None and self._poll is None:
             self._poll = self._track(self._poll_memory())
         return worker
 
-    async def _started(self, worker: _Worker, kind: str) -> _Worker:
+    async def _started(self, worker: Worker, kind: str) -> Worker:
         """``worker`` once it is up, its reserved slot still held; ``{kind}_crash`` if it could not
         start, :class:`_Unsent` if it died since."""
         try:
@@ -387,17 +392,11 @@ class WorkerPool:
             raise _Unsent
         raise WorkerFault(kind, worker.failure[0], f"a worker for {self.name} did not start: {failed}")
 
-    async def _spawn(self, worker: _Worker) -> None:
+    async def _spawn(self, worker: Worker) -> None:
         path = json.dumps([os.path.abspath(p) for p in sys.path if isinstance(p, str)])  # the parent's imports
-        argv = [
-            sys.executable,
-            "-c",
-            _WORKER_CODE,
-            os.path.join(os.path.dirname(os.path.abspath(__file__)), "pool_worker.py"),
-            path,
-            str(os.getpid()),
-            str(self.threads),
-        ]
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pool_worker.py")
+        argv = [sys.executable, "-c", _WORKER_CODE, here, path, str(os.getpid()), str(self.threads)]
+        argv.append(json.dumps(self.preload))
         pipe = asyncio.subprocess.PIPE
         try:
             worker.proc = await asyncio.create_subprocess_exec(*argv, stdin=pipe, stdout=pipe, limit=MAX_LINE)
@@ -405,19 +404,19 @@ class WorkerPool:
             worker.exited = asyncio.ensure_future(worker.proc.wait())
             self._exits.add(worker.exited)
             worker.exited.add_done_callback(self._exits.discard)
-            line = await asyncio.wait_for(worker.proc.stdout.readline(), START_TIMEOUT_S)
+            line = await asyncio.wait_for(worker.proc.stdout.readline(), self.start_timeout_s)
             if not line:
                 raise ValueError(death(worker.pid, await asyncio.shield(worker.exited)))
             hello = json.loads(line)
             if not (isinstance(hello, dict) and hello.get("ready") and hello.get("version") == VERSION):
                 raise ValueError(f"not a version-{VERSION} worker: {line[:200]!r}")
         except (OSError, ValueError, TimeoutError) as exc:
-            self._kill(worker, "crash", str(exc) or f"no ready line within {START_TIMEOUT_S:g} s")
+            self._kill(worker, "crash", str(exc) or f"no ready line within {self.start_timeout_s:g} s")
             return
         worker.ready.set_result(None)
         self._track(self._read(worker))
 
-    async def _read(self, worker: _Worker) -> None:
+    async def _read(self, worker: Worker) -> None:
         """Answers until the worker's stdout ends; then, unless it was killed, it crashed."""
         try:
             while line := await worker.proc.stdout.readline():
@@ -434,7 +433,7 @@ class WorkerPool:
             code = await asyncio.shield(worker.exited)
             self._kill(worker, "crash", death(worker.pid, code))
 
-    def _kill(self, worker: _Worker, what: str, detail: str, culprit: int | None = None) -> None:
+    def _kill(self, worker: Worker, what: str, detail: str, culprit: int | None = None) -> None:
         """End ``worker`` (SIGKILL, by pid) and fail what it held: the culprit's call (when known) and,
         for a crash or memory kill, everything with ``what``; after a timeout, a stateless neighbour
         as :class:`_Collateral` and a neighbouring session as ``lost`` (or replayed, idle)."""
@@ -450,7 +449,7 @@ class WorkerPool:
                 worker.proc.kill()
         counter = {"timeout": "timeouts", "crash": "crashes", "memory": "memory_kills"}.get(what)
         if counter is not None:
-            self._stats[counter] += 1
+            self.counters[counter] += 1
             log.warning("%s: %s", self.name, detail)
         guilty = worker.pending.get(culprit)
         hung = "session's step" if guilty is not None and guilty.session is not None else "call"

@@ -1,4 +1,4 @@
-"""The worker pool for plain user code (``asyncrl.episodes.pool``), with real worker processes: answers,
+"""The worker pool for plain user code (``asyncrl.service.pool``), with real worker processes: answers,
 each fault and its cause, who else a fault takes down, sessions, scheduling, and that processes and
 threads stay bounded. The user code is ``pool_targets`` (this folder). No assertion is on timing: the
 timeouts below only decide which calls hang, with wide margins either side."""
@@ -13,33 +13,16 @@ import time
 
 import pool_targets
 import pytest
+from pool_fixtures import in_pool
 
-from asyncrl.episodes import pool as pool_module
-from asyncrl.episodes import pool_sessions
-from asyncrl.episodes.pool import WorkerFault, WorkerPool
 from asyncrl.episodes.user_code import target_of
 from asyncrl.errors import EpisodeFailure
+from asyncrl.service import pool as pool_module
+from asyncrl.service import sessions
+from asyncrl.service.pool import WorkerFault
 
 T = "pool_targets:"
 WAIT_S = 30.0  # a deadline no healthy call here comes near, even on a loaded machine
-
-
-def in_pool(test, **options):
-    """Run ``test(pool)`` on a fresh event loop with a fresh pool, closed afterwards whatever happened;
-    fail on anything the loop reports (a task's exception never retrieved, a callback that raised)."""
-    reported = []
-
-    async def main():
-        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context))
-        pool = WorkerPool(**options)
-        try:
-            return await test(pool)
-        finally:
-            await pool.aclose()
-
-    result = asyncio.run(main())
-    assert reported == []
-    return result
 
 
 def children(but: frozenset = frozenset()) -> dict[int, str]:
@@ -186,6 +169,17 @@ def test_a_worker_that_cannot_start_is_a_crash(monkeypatch):
         assert crash.cause == "tool_crash" and "did not start" in crash.detail and "exited with code 5" in crash.detail
 
     in_pool(test)
+
+
+def test_preloads_are_imported_as_a_worker_starts_and_a_broken_one_is_left_to_its_call():
+    async def test(pool):
+        loaded = await pool.call("sys:modules.__contains__", ["pool_targets"], {}, timeout_s=WAIT_S, kind="tool")
+        assert loaded  # imported before the worker said it was ready: no call had named it
+        missing = await fault(pool.call("no_such_module:f", [], {}, timeout_s=WAIT_S, kind="tool"))
+        assert missing.cause == "tool_error" and "cannot import 'no_such_module:f'" in missing.detail
+        assert pool.stats()["workers_started"] == 1  # the broken preload did not fail the worker's start
+
+    in_pool(test, workers=1, start_timeout_s=WAIT_S, preload=("no_such_module:f", T + "add"))
 
 
 def test_queueing_does_not_count_against_the_timeout():
@@ -415,7 +409,7 @@ def test_a_session_whose_replay_differs_is_lost():
 
 
 def test_a_session_past_the_replay_cap_is_lost_and_one_at_it_is_replayed():
-    cap = pool_sessions.REPLAY_CALLS
+    cap = sessions.REPLAY_CALLS
 
     async def test(pool):
         culprit = await pool.open(T + "Tally", {}, timeout_s=WAIT_S)

@@ -1,5 +1,5 @@
 """One agent session's conversation as its episode's sample: OpenAI requests matched against the tokens
-the sample holds, so only what is new is ever encoded (``asyncrl.episodes.openai_server`` serves it).
+the sample holds, so only what is new is ever encoded (``asyncrl.gateway.server`` serves it).
 
 A chat conversation is a list of **units**: the prompt (the messages before the first assistant
 message), then assistant messages and observations (runs of user / tool / system messages between two

@@ -1,4 +1,4 @@
-"""Sessions of :class:`~asyncrl.episodes.pool.WorkerPool`: one object in one worker, and its replay
+"""Sessions of :class:`~asyncrl.service.pool.WorkerPool`: one object in one worker, and its replay
 onto another worker when that one dies for a reason that was not (or may not be) the session's.
 
 A session records the calls that built its object's state: its open (target and keyword arguments)
@@ -42,11 +42,11 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.episodes.pool_worker import WorkerFault
 from asyncrl.errors import EpisodeFailure
+from asyncrl.service.pool_worker import WorkerFault
 
 if TYPE_CHECKING:
-    from asyncrl.episodes.pool import WorkerPool, _Worker
+    from asyncrl.service.pool import Worker, WorkerPool
 
 # Bounds on what a session keeps for its replay. An episode makes tens of calls (turns); 64 covers
 # multi-turn environments while bounding a replay to seconds of the call's timeout. 1 MiB of arguments
@@ -96,9 +96,9 @@ class Session:
     """An object built by :meth:`WorkerPool.open`, living in one worker (``worker``; None while
     detached, awaiting its replay). Once it has failed, every call raises the fault that ended it."""
 
-    def __init__(self, pool: WorkerPool, worker: _Worker, kind: str, target: str, kwargs: dict):
+    def __init__(self, pool: WorkerPool, worker: Worker, kind: str, target: str, kwargs: dict):
         self.pool, self.worker, self.kind, self.target = pool, worker, kind, target
-        self.id = next(pool._ids)
+        self.id = next(pool.ids)
         self.failure: tuple[str, str] | None = None
         self.closed = False
         self.dropped = "its options are not JSON"  # why ``history`` is None
@@ -125,10 +125,10 @@ class Session:
             self.dropped = f"its {method} call raised or was cancelled, leaving its state unknown"
         self.calling = history
         try:
-            result = await self.pool._session_call(self, message, timeout_s)
+            result = await self.pool.session_call(self, message, timeout_s)
         except Suspect as exc:
             self.calling = None
-            return await self._alone(method, list(args), history, timeout_s, str(exc))
+            return await self.alone(method, list(args), history, timeout_s, str(exc))
         finally:
             self.calling = None
         self._record(history, method, args, result)
@@ -140,10 +140,10 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        self.pool._detached.discard(self)
+        self.pool.detached.discard(self)
         try:
             if self.failure is None and self.detached is None:
-                await self.pool._session_call(self, {"op": "close", "session": self.id}, timeout_s)
+                await self.pool.session_call(self, {"op": "close", "session": self.id}, timeout_s)
         except WorkerFault as exc:
             if exc.what in ("error", "timeout"):  # its close() raised or hung; else the worker was gone
                 raise
@@ -159,7 +159,7 @@ class Session:
         if self.replaying or self.closed:
             return why
         self.detached, self.worker = why, None
-        self.pool._detached.add(self)
+        self.pool.detached.add(self)
         return None
 
     def suspect(self) -> bool:
@@ -177,7 +177,7 @@ class Session:
         elif history is not None:
             self.dropped = f"its record passed {REPLAY_CALLS} calls or {REPLAY_BYTES >> 20} MiB of arguments"
 
-    async def _rebuild(self, worker: _Worker, history: History, timeout_s: float) -> float:
+    async def _rebuild(self, worker: Worker, history: History, timeout_s: float) -> float:
         """Build the object again on ``worker`` (a slot reserved there) from ``history``; what is left
         of ``timeout_s``. A result that differs or a replayed call that raises is :class:`_Unreplayable`;
         a fault of the worker is raised as it is."""
@@ -187,13 +187,13 @@ class Session:
         deadline = loop.time() + timeout_s
         opening = {"op": "open", "session": self.id, "target": self.target, "kwargs": json.loads(history.kwargs)}
         try:
-            await pool._ask(worker, opening, timeout_s, self.kind, f"{self.target} (replayed)", self)
+            await pool.ask(worker, opening, timeout_s, self.kind, f"{self.target} (replayed)", self)
             for n, (method, args, recorded) in enumerate(history.calls, 1):
                 message = {"op": "method", "session": self.id, "method": method, "args": json.loads(args)}
                 left = deadline - loop.time()
                 if left <= 0:
                     raise _Unreplayable(f"no time left of {timeout_s:g} s for its call {n}", "replay_failed")
-                if digest(await pool._session_call(self, message, left)) != recorded:
+                if digest(await pool.session_call(self, message, left)) != recorded:
                     said = f"its call {n} of {len(history.calls)} ({method}) returned something else"
                     raise _Unreplayable(said, "replay_mismatch")
         except EpisodeFailure as exc:
@@ -205,20 +205,20 @@ class Session:
     async def _replay(self, timeout_s: float) -> float:
         """Rebuild the object on a shared worker from its history; what is left of ``timeout_s``."""
         pool, history, why = self.pool, self.history, self.detached
-        pool._detached.discard(self)
+        pool.detached.discard(self)
         self.replaying, self.detached = True, None
         try:
             while True:
                 try:
-                    left = await self._rebuild(await pool._session_slot(self.kind), history, timeout_s)
+                    left = await self._rebuild(await pool.session_slot(self.kind), history, timeout_s)
                     break
                 except WorkerFault:
                     if not self._rebuild_again():
                         raise
         except (_Unreplayable, EpisodeFailure) as exc:
-            pool._stats[exc.counter if isinstance(exc, _Unreplayable) else "replay_failed"] += 1
+            pool.counters[exc.counter if isinstance(exc, _Unreplayable) else "replay_failed"] += 1
             if self.failure is None or self.failure[0] != "lost":  # else counted when its new worker died
-                pool._stats["lost"] += 1
+                pool.counters["lost"] += 1
             if self.worker is not None and self.failure is None:  # drop what was rebuilt
                 await self._discard(timeout_s)
             self.failure = ("lost", f"{why}; replaying its calls on another worker failed: {_detail(exc)}")
@@ -229,7 +229,7 @@ class Session:
         finally:
             self.replaying = False
         self.history = history
-        pool._stats["sessions_replayed"] += 1
+        pool.counters["sessions_replayed"] += 1
         return left
 
     def _rebuild_again(self) -> bool:
@@ -242,12 +242,12 @@ class Session:
             return False
         self.suspicions += 1
         if self.failure is not None and self.failure[0] == "lost":
-            self.pool._stats["lost"] -= 1  # counted when its new worker died; it is replayed again instead
+            self.pool.counters["lost"] -= 1  # counted when its new worker died; it is replayed again instead
         worker.sessions.discard(self)
         self.worker, self.failure = None, None
         return True
 
-    async def _alone(self, method: str, args: list, history: History, timeout_s: float, crash: str) -> Any:
+    async def alone(self, method: str, args: list, history: History, timeout_s: float, crash: str) -> Any:
         """Rebuild a suspect on a fresh worker of its own (after the suspects before it: waiting is
         free) and run its ``method`` call there again: a fault there is its own; an answer clears it
         (the object is replayed on a shared worker at its next call)."""
@@ -255,18 +255,18 @@ class Session:
         why = f"its worker crashed with its {method} call in flight ({crash})"
         self.on_probation = True
         try:
-            worker = await pool._alone(self.kind)
+            worker = await pool.alone(self.kind)
             left = await self._rebuild(worker, history, timeout_s)
             message = {"op": "method", "session": self.id, "method": method, "args": args}
-            result = await pool._session_call(self, message, left)
+            result = await pool.session_call(self, message, left)
         except _Unreplayable as exc:
-            pool._stats[exc.counter] += 1
-            pool._stats["lost"] += 1
+            pool.counters[exc.counter] += 1
+            pool.counters["lost"] += 1
             self.failure = ("lost", f"{why}; replaying its calls on a worker of its own failed: {exc}")
             raise WorkerFault(self.kind, *self.failure) from None
         except WorkerFault as exc:
             if exc.what in ("crash", "memory", "timeout") and worker is not None and worker.failure is not None:
-                pool._stats["suspects_blamed"] += 1
+                pool.counters["suspects_blamed"] += 1
                 self.failure = (exc.what, f"{why}; run again on a worker of its own: {exc.detail}")
                 raise WorkerFault(self.kind, *self.failure) from None
             self.failure = (exc.what, exc.detail)
@@ -277,23 +277,23 @@ class Session:
         finally:
             self.on_probation = False
             if worker is not None:  # its turn: end it
-                pool._alone_done(self)
-        pool._stats["suspects_cleared"] += 1
+                pool.alone_done(self)
+        pool.counters["suspects_cleared"] += 1
         self._record(history, method, args, result)
         if self.detach(why) is not None:  # no record left to replay
             self.failure = ("lost", f"{why} (not replayed: {self.dropped})")
-            pool._stats["lost"] += 1
+            pool.counters["lost"] += 1
         return result
 
     async def _discard(self, timeout_s: float) -> None:
         """Close a half-rebuilt object (it may not exist), whatever its close does."""
         try:
-            await self.pool._session_call(self, {"op": "close", "session": self.id}, timeout_s)
+            await self.pool.session_call(self, {"op": "close", "session": self.id}, timeout_s)
         except EpisodeFailure:
             pass
 
 
-def fail_sessions(worker: _Worker, what: str, detail: str, guilty: Session | None, hung: str) -> set[Session]:
+def fail_sessions(worker: Worker, what: str, detail: str, guilty: Session | None, hung: str) -> set[Session]:
     """Fail the sessions of ``worker``, dead of ``what``, but the suspects it returns: those with a step
     in flight when it crashed (one of them its cause), each to run that step again alone (else they
     get ``what``, as the culprit does). An innocent one (a timeout's neighbour, or idle when it
@@ -317,7 +317,7 @@ def fail_sessions(worker: _Worker, what: str, detail: str, guilty: Session | Non
             if why is None:  # rebuilt elsewhere at its next call
                 continue
         session.failure = ("lost", why)
-        session.pool._stats["lost"] += 1
+        session.pool.counters["lost"] += 1
     return suspects
 
 

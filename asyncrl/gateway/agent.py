@@ -2,7 +2,7 @@
 
 ``episode.agent: module:function`` names ``async def agent(client, task)``: ``client`` is an
 ``openai.AsyncOpenAI`` whose base URL and key are the episode's own session on the generator's endpoint
-(``asyncrl.episodes.openai_server``), ``task`` the record. It returns the reward (a number, or named
+(``asyncrl.gateway.server``), ``task`` the record. It returns the reward (a number, or named
 parts), or None. ``episode.agent_command`` instead starts a program per episode, with
 ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` set for its session, ``ASYNCRL_REWARD_URL`` (where it may
 ``POST {"reward": x}`` with that key as bearer token) and ``ASYNCRL_SEED``, and the task as JSON on its
@@ -27,29 +27,30 @@ import signal
 from typing import TYPE_CHECKING
 
 from asyncrl.data import import_by_path
-from asyncrl.episodes.openai_server import Endpoint, Session, endpoint_for
 from asyncrl.episodes.tools import load_parser
 from asyncrl.errors import EpisodeFailure, UserError
+from asyncrl.gateway.server import AgentSession, Endpoint, endpoint_for
 from asyncrl.rewards.resolve import one_line
 
 if TYPE_CHECKING:
-    from asyncrl.config import EpisodeConfig
+    from asyncrl.config import AgentCommandEpisodeConfig, AgentEpisodeConfig
     from asyncrl.episodes.api import Context, Episode
 
 STDERR_TAIL = 400  # characters of a failed agent program's standard error kept in its failure's detail
 
 
-def agent_episode(cfg: EpisodeConfig, endpoint: Endpoint | None = None) -> Episode:
+def agent_episode(cfg: AgentEpisodeConfig | AgentCommandEpisodeConfig, endpoint: Endpoint | None = None) -> Episode:
     """The episode that runs ``cfg.agent`` or ``cfg.agent_command`` against a session of ``endpoint``
     (None: this event loop's, started at the first episode)."""
-    fn = None
-    if cfg.agent is not None:
+    fn = argv = None
+    if cfg.type == "agent":
         import openai  # noqa: F401 - imported here, not by the first episode on the generator's event loop
 
         fn = import_by_path(cfg.agent)
         if not inspect.iscoroutinefunction(fn):
             raise UserError(f"episode.agent {cfg.agent!r} must be an `async def agent(client, task)`")
-    argv = shlex.split(cfg.agent_command) if isinstance(cfg.agent_command, str) else cfg.agent_command
+    else:
+        argv = shlex.split(cfg.agent_command) if isinstance(cfg.agent_command, str) else cfg.agent_command
     parser = load_parser(cfg.tool_parser)
 
     async def episode(ctx: Context):
@@ -81,7 +82,7 @@ def agent_episode(cfg: EpisodeConfig, endpoint: Endpoint | None = None) -> Episo
     return episode
 
 
-async def call_agent(fn, server: Endpoint, session: Session, ctx: Context):
+async def call_agent(fn, server: Endpoint, session: AgentSession, ctx: Context):
     """``fn(client, task)`` with a client of the session."""
     import openai
 
@@ -93,7 +94,7 @@ async def call_agent(fn, server: Endpoint, session: Session, ctx: Context):
         await http.aclose()
 
 
-async def run_command(argv: list[str], session: Session, ctx: Context) -> None:
+async def run_command(argv: list[str], session: AgentSession, ctx: Context) -> None:
     """The agent program of one episode, to its end; killed (its whole process group) if cancelled."""
     env = {
         **os.environ,

@@ -1,4 +1,4 @@
-"""The OpenAI wire shapes of the agent endpoint (``asyncrl.episodes.openai_server``): which request
+"""The OpenAI wire shapes of the agent endpoint (``asyncrl.gateway.server``): which request
 parameters are served, and the answers' JSON (chat and text completions, their log-probs, a stream's
 chunks)."""
 
@@ -9,7 +9,7 @@ import secrets
 import time
 from typing import Any
 
-from asyncrl.episodes.transcript import Answer, BadRequest
+from asyncrl.gateway.transcript import Answer, BadRequest
 
 MODEL = "policy"  # the one model GET /models lists (a request may name any: the run's policy answers)
 # Parameters by what the endpoint does with them: served; accepted and not applied (the run's sampling
