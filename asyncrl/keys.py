@@ -22,9 +22,12 @@ key                 type                  contents
 ``P version``       string                the learner's policy version (absent: 0)
 ``P meta``          hash                  ``weights_address``, ``final_version``, ...: written once;
                                           ``tied`` (the model's tied names, JSON), ``probe:<v>`` (the
-                                          learner's probe log-probs of version v, JSON; eight kept),
+                                          learner's probe log-probs of version v, JSON, with a sampled
+                                          sequence's ids and its log-probs before the step; eight kept),
                                           ``probe_diff:<v>`` (the largest probe difference a generator
-                                          found at version v; eight kept); ``starting:<role>-<id>``
+                                          found at version v), ``probe_broken:<v>`` (1 - the version
+                                          fraction of an engine found broken at v; both eight kept);
+                                          ``starting:<role>-<id>``
                                           (what a starting process waits for and since when, JSON;
                                           removed once it is up)
 ``P hb:<role>:<id>``hash, expires         heartbeat of one process: version served, pid, time

@@ -115,9 +115,9 @@ class Generator:
             subscriber,
             self.metrics,
             self._served,
-            version=0,
             probe_ids=probe.probe_ids(self.chat, self.records[0], self.prompts.vision),
             compare=lambda version, logprobs, routing=None: probe.compare(control, version, logprobs, routing),
+            sampled=lambda version: probe.ids_of(control, version),
             aliases=json.loads(control.get_meta("tied") or "{}"),  # the learner's, before its first version
             adapter=(cfg.model.path, cfg.model.lora.alpha / cfg.model.lora.rank) if cfg.model.lora else None,
         )

@@ -245,11 +245,12 @@ class EnginePump:
             tensors = self.feed.engine_tensors(update)
             await loop.run_in_executor(self._thread, self.engine.load_weights, tensors)
             seconds = time.perf_counter() - t0
-            probe, self._probing = None, bool(self.feed.probe_ids) and self.engine.scores_alongside
+            ids = self.feed.probe_for(update.version)
+            probe, self._probing = None, bool(ids) and self.engine.scores_alongside
             if self._probing:  # one more prompt in the next step, with the turns
-                self.engine.start_score(self.feed.probe_ids)
-            elif self.feed.probe_ids:  # nothing runs in the engine now: the probe has it to itself
-                probe = await loop.run_in_executor(self._thread, self.engine.score, self.feed.probe_ids)
+                self.engine.start_score(ids)
+            elif ids:  # nothing runs in the engine now: the probe has it to itself
+                probe = await loop.run_in_executor(self._thread, self.engine.score, ids)
             routing = self.engine.probe_routing if probe is not None else None
             self.feed.applied(update, seconds, probe, routing, probe_to_come=self._probing, held_seconds=held)
         finally:

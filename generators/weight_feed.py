@@ -31,6 +31,7 @@ class WeightFeed:
         version: int = 0,
         probe_ids: list[int] | None = None,
         compare: Callable[..., dict[str, float]] | None = None,
+        sampled: Callable[[int], list[int] | None] | None = None,
         aliases: dict[str, str] | None = None,
         adapter: tuple[str, float] | None = None,
     ) -> None:
@@ -38,13 +39,15 @@ class WeightFeed:
         weights this process serves now. ``version`` is the one loaded at start (the weights on disk).
         ``probe_ids``: the sequence the engine scores after each apply (``asyncrl.observe.probe``), and
         ``compare(version, logprobs, routing)`` the record's figures against the learner's probe
-        (``asyncrl.observe.probe.compare``: the log-prob difference, a mixture of experts' routing difference).
+        (``asyncrl.observe.probe.compare``: the log-prob difference, a mixture of experts' routing difference);
+        ``sampled(version)``: the sampled sequence the learner probed ``version`` on instead, if any
+        (``asyncrl.observe.probe.ids_of``).
         ``aliases``: the model's tied names (``asyncrl.weights.ties``), put back into each version.
         ``adapter``: (``model.path``, alpha / rank) of a LoRA run, whose versions are adapters merged into
         the base weights read from that path (``asyncrl.weights.lora``)."""
         self.subscriber = subscriber
         self.version = version
-        self.probe_ids, self._compare = probe_ids, compare
+        self.probe_ids, self._compare, self._sampled = probe_ids, compare, sampled
         self.aliases = aliases or {}
         self.adapter = adapter
         self._base: dict | None = None  # a LoRA run's base weights, read at the first adapter version
@@ -52,6 +55,13 @@ class WeightFeed:
         self._heartbeat = heartbeat
         self._rejected = 0  # the subscriber's rejection count last logged
         self._pending: dict | None = None  # the last version's record, waiting for its probe
+
+    def probe_for(self, version: int) -> list[int] | None:
+        """The sequence the engine scores after applying ``version``: the learner's sampled one where it probed
+        one, else the fixed probe (None: no probe in this run)."""
+        if not self.probe_ids:
+            return None
+        return (self._sampled is not None and self._sampled(version)) or self.probe_ids
 
     def newer(self, timeout_ms: int = 0) -> WeightUpdate | None:
         """The newest verified version newer than ``version`` (waiting up to ``timeout_ms``), or None."""

@@ -52,6 +52,8 @@ def step_record(version: int, out: StepLoss, total: dict, max_stale: float, lr: 
         # a mixture of experts: the largest fraction of the probe's (layer, token) routed differently by an
         # engine than by the learner with the same weights, over the last versions applied
         **({"weights/probe_routing_diff_max": r} if (r := sync.get("probe_routing_diff_max")) is not None else {}),
+        # versions a generator found its engine nearer the version before than the one applied (a broken sync)
+        **({"weights/probe_sync_broken_versions": len(b)} if (b := sync.get("broken")) else {}),
         "learner/reward_mean": total["reward_sum"] / total["samples"],
         "learner/samples": total["samples"],
         "buffer/staleness_mean": total["stale_sum"] / total["groups"],

@@ -237,6 +237,9 @@ def advance(r: LearnerRank, version: int, committed: int, timings: Timings, t_st
     timings.time("collect")
     # 2-3. loss and step
     padded = make_batch(groups, r.sampling.max_len, preset, r.pad_id, version, r.images)
+    # the next version's probe: a sequence of this batch (a VLM's: the fixed one), scored before the step too
+    ids = (r.images is None and probe.sampled_ids(groups)) or r.probe_seq
+    previous = probe_of(r.models, ids)[0] if r.probing else None
     out, mismatch = train_step(r.models, padded, preset, cfg.learner, r.sampling, r.world)
     step_end_at = time.time()
     consumer.trained(batch)
@@ -244,9 +247,9 @@ def advance(r: LearnerRank, version: int, committed: int, timings: Timings, t_st
     control.count_staleness(stale)
     timings.time("train")
     # 4. publish (the probe first: a generator applying the version finds it)
-    probed, state = gather_version(r)
+    probed, state = gather_version(r, ids)
     if r.publisher is not None:
-        publish_version(r, version + 1, probed, state)
+        publish_version(r, version + 1, probed, state, ids, previous)
     timings.time("publish")
     # metrics, global over ranks, before the commit: a committed version always has its record
     total = r.reducer.sum_dict(step_sums(groups, batch, stale, mismatch))
@@ -263,17 +266,27 @@ def advance(r: LearnerRank, version: int, committed: int, timings: Timings, t_st
     return state, committed_now
 
 
-def gather_version(r: LearnerRank) -> tuple[tuple | None, dict | None]:
-    """The version the policy holds now: the probe's log-probs and expert choices (where this rank probes) and
-    the state dict (rank 0's; None elsewhere). Collectives under ZeRO-3: every rank calls it."""
-    probed = probe_of(r.models, r.probe_seq) if r.probing else None
+def gather_version(r: LearnerRank, ids: list[int] | None = None) -> tuple[tuple | None, dict | None]:
+    """The version the policy holds now: the probe's log-probs and expert choices (where this rank probes; of
+    ``ids``, else the fixed probe) and the state dict (rank 0's; None elsewhere). Collectives under ZeRO-3:
+    every rank calls it."""
+    probed = probe_of(r.models, r.probe_seq if ids is None else ids) if r.probing else None
     return probed, full_state_dict(r.models.policy, r.cfg.learner.zero_stage, r.keep)
 
 
-def publish_version(r: LearnerRank, version: int, probed: tuple, state: dict | None) -> None:
-    """Rank 0 publishes ``version``: the probe first (a generator applying the version finds it), then the
-    buffer's version and the weights."""
-    probe.publish(r.control, version, *probed)
+def publish_version(
+    r: LearnerRank,
+    version: int,
+    probed: tuple,
+    state: dict | None,
+    ids: list[int] | None = None,
+    previous: list[float] | None = None,
+) -> None:
+    """Rank 0 publishes ``version``: the probe first (a generator applying the version finds it; ``ids``: the
+    sequence it is of where not the fixed probe, ``previous``: its log-probs under the version before), then
+    the buffer's version and the weights."""
+    logprobs, routing = probed
+    probe.publish(r.control, version, logprobs, routing, ids=ids, previous=previous)
     r.buffer.set_version(version)
     r.publisher.publish(version, state)
 

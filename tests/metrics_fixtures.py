@@ -20,6 +20,7 @@ def demo_records(steps: int = 8, failed: bool = True, launcher: bool = True) -> 
         for g in (0, 1):
             rec = {"time": t + 0.1 * g, "source": f"generator/{g}", "generator/version": v, "episodes/done": 16}
             rec |= {"generator/tokens_per_s": 100.0 + v, "episodes/failed": 0, "weights/applied_at": t + 0.5}
+            rec |= {"weights/probe_logprob_diff": 0.4 + 0.01 * g, "weights/probe_logprob_diff_mean": 0.03 + 0.001 * v}
             if failed and v in (2, 5):
                 rec |= {"episodes/failed": 3, "episodes/failed_reward_error": 2, "episodes/failed_env_timeout": 1}
             out.append(rec)

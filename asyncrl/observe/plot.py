@@ -1,8 +1,9 @@
 """``asyncrl plot``: one PNG dashboard of one or more runs, from their ``metrics.jsonl`` and ``summary.json``.
 
-Nine panels: reward (greedy eval and the learner's sampled batches) against version and wall time,
-version against wall time, trained samples/s, the staleness of trained groups, weight sync seconds,
-buffer depth, learner step time (waiting for data vs training) and failed episodes. Runs overlay, one
+Ten panels: reward (greedy eval and the learner's sampled batches) against version and wall time,
+version against wall time, trained samples/s, the staleness of trained groups, weight sync seconds, the
+engine-vs-learner log-prob gap with the same weights, buffer depth, learner step time (waiting for data vs
+training) and failed episodes. Runs overlay, one
 colour each. Wall time is minutes since a run's first record; a panel with nothing to draw says so.
 Works on a live run too (``metrics.jsonl`` is appended to; a torn last line is skipped).
 """
@@ -167,6 +168,19 @@ def panel_sync(ax, runs, colors) -> None:
     _xy(ax, runs, colors, ("weights/version", "weights/sync_held_seconds"), False, lw=1, ls=":")
 
 
+def panel_mismatch(ax, runs, colors) -> None:
+    ax.set_title(
+        "engine vs learner, same weights (the probe, each generator)\ndots: mean |log-prob difference|; x: largest"
+    )
+    ax.set_xlabel("policy version")
+    versions = "generator/version"
+    mean = _xy(ax, runs, colors, (versions, "weights/probe_logprob_diff_mean"), False, marker="o", ms=3, lw=0)
+    # the largest: every probe's, the fixed one's (a VLM's, or a run before sampled probes) too
+    if not _xy(ax, runs, colors, (versions, "weights/probe_logprob_diff"), False, marker="x", ms=4, lw=0) | mean:
+        return _empty(ax, "no probe compared")
+    ax.set_yscale("log")
+
+
 def panel_buffer(ax, runs, colors) -> None:
     queued = _xy(ax, runs, colors, ("time", "buffer/queued"), True, lw=2)
     pending = _xy(ax, runs, colors, ("time", "buffer/pending"), True, lw=1, ls=":")
@@ -243,16 +257,17 @@ def dashboard(run_dirs: list[str | Path], out: str | Path | None = None, dpi: in
     runs = [load_run(d) for d in run_dirs]
     out = Path(out) if out is not None else Path(run_dirs[0]) / "dashboard.png"
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
-    fig, axes = plt.subplots(3, 3, figsize=(15, 11))
+    fig, axes = plt.subplots(2, 5, figsize=(25, 9))
     panel_reward(axes[0, 0], runs, colors, x_time=False)
     panel_reward(axes[0, 1], runs, colors, x_time=True)
     panel_version(axes[0, 2], runs, colors)
-    panel_samples(axes[1, 0], runs, colors)
-    panel_staleness(axes[1, 1], runs, colors)
-    panel_sync(axes[1, 2], runs, colors)
-    panel_buffer(axes[2, 0], runs, colors)
-    panel_step_time(axes[2, 1], runs, colors)
-    panel_failures(axes[2, 2], runs, colors)
+    panel_samples(axes[0, 3], runs, colors)
+    panel_staleness(axes[0, 4], runs, colors)
+    panel_sync(axes[1, 0], runs, colors)
+    panel_mismatch(axes[1, 1], runs, colors)
+    panel_buffer(axes[1, 2], runs, colors)
+    panel_step_time(axes[1, 3], runs, colors)
+    panel_failures(axes[1, 4], runs, colors)
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     from matplotlib.patches import Patch

@@ -342,6 +342,12 @@ def _render_sync(sync: dict | None, console) -> None:
     span = versions[0] if len(versions) == 1 else f"{versions[0]}-{versions[-1]}"
     figure = f"largest |generator - learner| log-prob [bold]{worst:.3g}[/]"
     console.print(f"weight sync (probe): {figure} at versions {span}")
+    if broken := sync.get("broken"):  # beyond the numerics gap: an engine nearer the version before
+        worst = min(broken, key=broken.get)
+        console.print(
+            f"[bold red]weight sync broken or stale[/] at versions {', '.join(broken)}: an engine's log-probs sit "
+            f"{broken[worst]:.2f} of the way from version {int(worst) - 1} to {worst}"
+        )
 
 
 def _render_consumers(rows: dict, console, Table) -> None:

@@ -12,7 +12,15 @@ from PIL import Image
 
 from asyncrl.cli import main
 from asyncrl.errors import UserError
-from asyncrl.observe.plot import dashboard, load_run, panel_buffer, panel_failures, panel_staleness, samples_per_s
+from asyncrl.observe.plot import (
+    dashboard,
+    load_run,
+    panel_buffer,
+    panel_failures,
+    panel_mismatch,
+    panel_staleness,
+    samples_per_s,
+)
 
 matplotlib.use("Agg")
 
@@ -30,10 +38,10 @@ def test_two_runs_overlay_in_one_png(tmp_path, capsys):
     plot(str(a), str(b), "-o", str(tmp_path / "both.png"))
     assert capsys.readouterr().out.strip() == str(tmp_path / "both.png")
     with Image.open(tmp_path / "both.png") as png:
-        assert png.format == "PNG" and png.size == (1200, 880)  # 15 x 11 inches at 80 dpi
+        assert png.format == "PNG" and png.size == (2000, 720)  # 25 x 9 inches at 80 dpi
     plot(str(a))
     with Image.open(a / "dashboard.png") as png:  # the default: in the first run's directory
-        assert png.size == (1200, 880)
+        assert png.size == (2000, 720)
 
 
 def panel_texts(panel, run_dir) -> list[str]:
@@ -51,10 +59,12 @@ def test_panels_with_no_data_say_so(tmp_path):
     assert panel_texts(panel_buffer, bare)[0].startswith("no buffer depth records")
     assert panel_texts(panel_staleness, bare) == ["no staleness recorded"]
     assert panel_texts(panel_failures, bare) == ["no failed episodes"]
+    assert panel_texts(panel_mismatch, bare) == ["no probe compared"]
     dashboard([bare])  # every panel empty: still one PNG
     assert (bare / "dashboard.png").stat().st_size > 0
     full = write_run(tmp_path / "full", demo_records())
     assert panel_texts(panel_buffer, full) == [] and panel_texts(panel_failures, full) == []
+    assert panel_texts(panel_mismatch, full) == []
 
 
 def test_rates_and_histogram_come_from_the_records(tmp_path):
