@@ -30,12 +30,13 @@ def fresh_parallel_state() -> None:
         parallel_state.destroy_distributed_environment()
 
 
-def start_engine(model_dir, max_num_seqs: int = 8):
+def start_engine(model_dir, max_num_seqs: int = 8, dtype: str = "float32"):
     """A real vLLM engine in this process on ``model_dir`` (the test extension, its KV cache sized as a
     generator's, the process groups of any earlier engine dropped first)."""
     from asyncrl.config import load_config
     from asyncrl.generators.vllm_engine import VllmEngine
 
-    cfg = load_config(None, {"model.path": str(model_dir), "model.recipe": None, "generator.engine.type": "vllm"})
+    overrides = {"model.path": str(model_dir), "model.recipe": None, "model.dtype": dtype}
+    cfg = load_config(None, {**overrides, "generator.engine.type": "vllm"})
     fresh_parallel_state()
     return VllmEngine(cfg.generator.engine, cfg.model, max_num_seqs, seed=0, extension=PlainParamsExtension)

@@ -191,6 +191,16 @@ MEMBERS: dict[str, type[_EpisodeBase]] = {
 NAMING_KEYS = {"function": "function", "env_url": "remote_env", "agent": "agent", "agent_command": "agent_command"}
 
 
+def retype(tree: dict, overrides: dict[str, Any]) -> None:
+    """An override that names the episode (``--set episode.function=my_task:Env``) and not its ``type`` makes
+    the episode that kind: a ``type`` the config wrote gives way (a run's own config.yaml writes one, and a
+    config dumped from a loaded one too), and the key's kind is inferred as if the file had none."""
+    named = any(v is not None and k.removeprefix("episode.") in NAMING_KEYS for k, v in overrides.items())
+    episode = tree.get("episode")
+    if named and "episode.type" not in overrides and isinstance(episode, dict):
+        episode.pop("type", None)
+
+
 def _kind_of(value: Any) -> Any:
     """A YAML episode section with its ``type`` filled in (from the one key that names the episode, when left
     out) and checked against the other kinds' keys, each mistake in one line. A key of another kind left at

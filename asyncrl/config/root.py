@@ -16,7 +16,7 @@ from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.base import Section
 from asyncrl.config.buffer import BufferConfig, RedisBufferConfig
 from asyncrl.config.data import DataConfig
-from asyncrl.config.episode import MEMBERS, CompletionEpisodeConfig, EpisodeConfig
+from asyncrl.config.episode import MEMBERS, CompletionEpisodeConfig, EpisodeConfig, retype
 from asyncrl.config.generator import GeneratorConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.model import ModelConfig
@@ -141,6 +141,7 @@ def load_config(
     _check_moved(tree)
     for key, value in (overrides or {}).items():
         set_dotted(tree, key, value)
+    retype(tree, overrides or {})
     _check_moved(tree)
     try:
         return (schema or Config).model_validate(tree)

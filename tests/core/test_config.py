@@ -247,3 +247,17 @@ def test_cli_two_episode_keys_exit_2_in_one_line():
     proc = asyncrl("launch", "--config", str(guess), "--set", "episode.agent=a:b", "--dry-run")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert_one_line_error(proc, "episode.function and episode.agent both name the episode", "episode.type:")
+
+
+def test_an_override_naming_the_episode_makes_it_that_kind_over_a_written_type():
+    """A run's config.yaml (and any config dumped from a loaded one) writes ``episode.type``; ``--set
+    episode.function=...`` on top of it makes a function episode, as it does on a file that has no type. Naming
+    the type too keeps the one-line error of a key of another kind."""
+    written = load_config(None, {"episode.max_turns": 3}).model_dump()
+    assert written["episode"]["type"] == "completion"
+    cfg = load_config(None, {**written, "episode.function": "episode_fixtures:CountingEnv"})
+    assert cfg.episode.type == "function" and cfg.episode.max_turns == 3
+    cfg = load_config(None, {**cfg.model_dump(), "episode.function": None, "episode.env_url": "http://:t@h:1"})
+    assert cfg.episode.type == "remote_env"
+    with pytest.raises(UserError, match="episode.function is for episode.type: function, not completion"):
+        load_config(None, {**written, "episode.function": "x:y", "episode.type": "completion"})

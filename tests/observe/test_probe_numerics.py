@@ -1,5 +1,5 @@
 """The weight-sync probe tells a broken sync from the numerics gap of a dtype, with real engines and a real
-optimizer step: an engine (the transformers engine, ``generators/hf_engine.py``) serving bfloat16 weights
+optimizer step: an engine (vLLM's CPU engine, and the transformers engine) serving bfloat16 weights
 disagrees with a float32 learner far beyond float32's 1e-5 with the same version, yet the probe places it at
 that version; an engine that loaded only some tensors of the version (every attention and MLP weight left at
 the version before: what a name-mapping slip in a weight loader does) is said to be broken, in one line."""
@@ -12,6 +12,7 @@ import uuid
 import pytest
 import torch
 from generator_common import save_tiny_model
+from vllm_common import start_engine
 
 from asyncrl.buffers import run_prefix
 from asyncrl.config import load_config
@@ -36,19 +37,25 @@ def trained(model, ids: list[int]):
 
 @pytest.mark.slow
 @pytest.mark.redis
-def test_a_partial_sync_is_told_from_the_bfloat16_numerics_gap(tmp_path, redis_server, caplog):
+@pytest.mark.parametrize("kind", ["transformers", "vllm"])
+def test_a_partial_sync_is_told_from_the_bfloat16_numerics_gap(tmp_path, redis_server, caplog, kind):
     from transformers import AutoModelForCausalLM
 
     model_dir = save_tiny_model(tmp_path / "tiny")
-    ids = [int(t) for t in torch.randint(3, 200, (96,), generator=torch.Generator().manual_seed(3))]
+    ids = [
+        int(t) for t in torch.randint(3, 200, (60,), generator=torch.Generator().manual_seed(3))
+    ]  # < 64: the model's
     learner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     before = {k: v.clone() for k, v in learner.state_dict().items()}
     previous = probe_logprobs(learner, ids)
     after = trained(learner, ids).state_dict()
     new = probe_logprobs(learner.eval(), ids)
 
-    cfg = load_config(None, {"model.path": str(model_dir), "model.recipe": None, "model.dtype": "bfloat16"})
-    engine = HfEngine(cfg.model, seed=0)
+    if kind == "vllm":
+        engine = start_engine(model_dir, dtype="bfloat16")
+    else:
+        cfg = load_config(None, {"model.path": str(model_dir), "model.recipe": None, "model.dtype": "bfloat16"})
+        engine = HfEngine(cfg.model, seed=0)
 
     control = RunControl(connect(redis_server.url), run_prefix(f"numerics-{uuid.uuid4().hex[:8]}"))
     probe.publish(control, 1, new, ids=ids, previous=previous)  # what the learner publishes with version 1
@@ -67,7 +74,7 @@ def test_a_partial_sync_is_told_from_the_bfloat16_numerics_gap(tmp_path, redis_s
     assert stale["weights/probe_version_fraction"] == pytest.approx(0.0, abs=0.25)
     assert whole["weights/probe_sync_missed"] < probe.MISSED  # what the fit leaves is the dtype's gap
     assert stale["weights/probe_sync_missed"] > probe.MISSED and partial["weights/probe_sync_missed"] > probe.MISSED
-    said = [r.getMessage() for r in caplog.records]
+    said = [r.getMessage() for r in caplog.records if r.name == "asyncrl.observe.probe"]
     assert len(said) == 2 and all(m.startswith("weight sync of version 1 is broken or stale") for m in said)
     fraction = "weights/probe_version_fraction"
     print(  # the figures, for the record (pytest -s)

@@ -278,7 +278,13 @@ def test_rapid_versions_reach_every_relay_in_a_chain(tmp_path, gap_s):
         # the version after the burst still travels a chain: one subscriber fed by the publisher, the rest
         # by relays (checked on it, not on the burst's last version, which a relay that lagged and was moved
         # to the chain's end may have taken from the publisher: seen once in a full run)
-        publish_and_check(pub, last + 1, kids)
+        # (a relay demoted during the burst is re-routed at a heartbeat: a version sent before that lands can
+        # reach the new head through its old upstream, seen once in CI, so a few more versions are allowed)
+        for extra in range(1, 6):
+            publish_and_check(pub, last + extra, kids)
+            if sorted(k.upstream != "" for k in kids) == [False, True, True]:
+                break
+            time.sleep(HEARTBEAT_S)
         assert sorted(k.upstream != "" for k in kids) == [False, True, True]
         assert all(k.rejected == 0 for k in kids)
     finally:
