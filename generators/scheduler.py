@@ -245,7 +245,7 @@ class EnginePump:
             tensors = self.feed.engine_tensors(update)
             await loop.run_in_executor(self._thread, self.engine.load_weights, tensors)
             seconds = time.perf_counter() - t0
-            ids = self.feed.probe_for(update.version)
+            ids = self.feed.probe_for(update)
             probe, self._probing = None, bool(ids) and self.engine.scores_alongside
             if self._probing:  # one more prompt in the next step, with the turns
                 self.engine.start_score(ids)

@@ -56,12 +56,12 @@ class WeightFeed:
         self._rejected = 0  # the subscriber's rejection count last logged
         self._pending: dict | None = None  # the last version's record, waiting for its probe
 
-    def probe_for(self, version: int) -> list[int] | None:
-        """The sequence the engine scores after applying ``version``: the learner's sampled one where it probed
+    def probe_for(self, update: WeightUpdate) -> list[int] | None:
+        """The sequence the engine scores after applying ``update``: the learner's sampled one where it probed
         one, else the fixed probe (None: no probe in this run)."""
         if not self.probe_ids:
             return None
-        return (self._sampled is not None and self._sampled(version)) or self.probe_ids
+        return (self._sampled is not None and self._sampled(update.version)) or self.probe_ids
 
     def newer(self, timeout_ms: int = 0) -> WeightUpdate | None:
         """The newest verified version newer than ``version`` (waiting up to ``timeout_ms``), or None."""

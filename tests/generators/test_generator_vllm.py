@@ -483,6 +483,9 @@ class PollSwitchFeed:
     def engine_tensors(self, update):
         return update[1]
 
+    def probe_for(self, update):
+        return self.probe_ids
+
     def applied(self, update, seconds, probe=None, routing=None, probe_to_come=False, held_seconds=0.0):
         self.version = update[0]
 

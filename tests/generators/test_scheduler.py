@@ -76,6 +76,9 @@ class ScriptedFeed:
         self.version = 0
         self.probe_ids = None  # no probe
 
+    def probe_for(self, update):
+        return self.probe_ids
+
     def newer(self, timeout_ms: int = 0):
         if self.version < self.v and self.engine.steps >= self.at:
             return Update(self.v, {"v": self.v})
