@@ -236,10 +236,11 @@ def advance(r: LearnerRank, version: int, committed: int, timings: Timings, t_st
     stale = [staleness(version, g.version) for g in groups]
     timings.time("collect")
     # 2-3. loss and step
-    padded = make_batch(groups, r.sampling.max_len, preset, r.pad_id, version, r.images)
-    # the next version's probe: a sequence of this batch (a VLM's: the fixed one), scored before the step too
+    # the next version's probe: a sequence of this batch (a VLM's: the fixed one), scored before the step too,
+    # and before the batch is made (a VLM's batch sets the pixel inputs of the next forward: the training one)
     ids = (r.images is None and probe.sampled_ids(groups)) or r.probe_seq
     previous = probe_of(r.models, ids)[0] if r.probing else None
+    padded = make_batch(groups, r.sampling.max_len, preset, r.pad_id, version, r.images)
     out, mismatch = train_step(r.models, padded, preset, cfg.learner, r.sampling, r.world)
     step_end_at = time.time()
     consumer.trained(batch)
