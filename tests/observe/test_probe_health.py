@@ -27,6 +27,15 @@ def control(redis_server):
     c.r.close()
 
 
+def set_version(redis_server, control, version: int) -> None:
+    """The run's policy version, as the learner sets it (status finds a run by it)."""
+    buf = RedisBuffer(redis_server.url, control.keys.prefix)
+    try:
+        buf.set_version(version)
+    finally:
+        buf.close()
+
+
 @pytest.mark.redis
 def test_the_largest_difference_of_any_generator_is_kept_per_version(control):
     assert probe.read_health(control) == {
@@ -61,11 +70,7 @@ def test_a_non_finite_difference_is_never_hidden(control):
 
 @pytest.mark.redis
 def test_status_shows_the_sync_figure(redis_server, control):
-    buf = RedisBuffer(redis_server.url, control.keys.prefix)
-    try:
-        buf.set_version(3)
-    finally:
-        buf.close()
+    set_version(redis_server, control, 3)
     console = Console(record=True, width=200)
     render(status(redis_url=redis_server.url, prefix=control.keys.prefix), console)
     assert "weight sync (probe): no generator has compared a version yet" in console.export_text()
@@ -173,11 +178,7 @@ def test_a_sampled_probe_travels_with_its_ids_and_a_broken_sync_is_said_and_kept
 
 @pytest.mark.redis
 def test_status_says_which_versions_a_generator_found_broken(redis_server, control):
-    buf = RedisBuffer(redis_server.url, control.keys.prefix)
-    try:
-        buf.set_version(7)
-    finally:
-        buf.close()
+    set_version(redis_server, control, 7)
     previous, new = [-1.0, -2.0, -0.5, -3.0], [-1.5, -1.0, -0.5, -2.0]
     for version in (6, 7):
         probe.publish(control, version, new, ids=[1, 2, 3, 4, 5], previous=previous)
