@@ -48,6 +48,7 @@ can only be fed by a holder of the secret, relay or publisher.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -55,7 +56,7 @@ import msgpack
 import zmq
 
 from asyncrl.weights.base import log
-from asyncrl.weights.control_plane import Peer, RouterPublisher
+from asyncrl.weights.control_plane import Peer, RouterPublisher, send_nonblocking
 from asyncrl.weights.relay_fanout import Fanout, Stream
 from asyncrl.weights.wire import BucketPool, Snapshot, seal, snapshot
 
@@ -114,7 +115,9 @@ class RelayWeightPublisher(RouterPublisher[Snapshot]):
         super().__init__(address, "weights-relay-publisher", sndhwm=HWM, secret=secret)
         self.bucket_bytes = min(bucket_bytes, RELAY_BUCKET_BYTES)
         self._pool = BucketPool()
-        self._fanout = Fanout(self._send_zero_copy)
+        # The sender is the socket's, not a bound method: a publisher in no reference cycle is freed,
+        # with the versions it holds, as soon as its owner drops it (not at the next full collection).
+        self._fanout = Fanout(functools.partial(send_nonblocking, self._sock, copy=False))
         self._members: dict[bytes, Member] = {}  # thread state: control connections in the chain
         self._released = None  # buckets of the newest version, for the pool once replaced
         self._stats = {"versions": 0, "dropped": 0, "demoted": 0}
@@ -134,9 +137,6 @@ class RelayWeightPublisher(RouterPublisher[Snapshot]):
         """Thread: each member's upstream ("" = the publisher)."""
         order = sorted(self._members.items(), key=lambda kv: kv[1].joined)
         return dict(zip((i for i, _ in order), chain_routes([m for _, m in order]), strict=True))
-
-    def _send_zero_copy(self, ident: bytes, frames: list):
-        return self._send(ident, frames, copy=False)
 
     # --- control-plane hooks -------------------------------------------------------------------
     def _snapshot(self, version: int, state_dict: dict[str, torch.Tensor]) -> Snapshot:
@@ -182,6 +182,10 @@ class RelayWeightPublisher(RouterPublisher[Snapshot]):
 
     def _wait_ms(self) -> int:
         return RETRY_MS if self._fanout.lagging() else IDLE_MS
+
+    def _stopped(self) -> None:
+        self._fanout = Fanout(self._fanout.send)  # the versions go now, not when the publisher does
+        self._released, self._pool = None, BucketPool()
 
     def _deliver(self) -> None:
         now = time.monotonic()

@@ -124,7 +124,7 @@ class Fanout:
     """
 
     def __init__(self, send: Callable[[bytes, list], Sent]) -> None:
-        self._send = send
+        self.send = send
         self.cursors: dict[bytes, Cursor] = {}
         self.current: Stream | None = None  # newest version, arriving or complete
         self.complete: Stream | None = None  # newest complete version
@@ -179,7 +179,7 @@ class Fanout:
                 return "sent"  # not here yet: the next pump after it arrives goes on
             else:
                 frames = bucket_message(s.version, c.next, s.buckets[c.next])
-            sent = self._send(ident, frames)
+            sent = self.send(ident, frames)
             if sent != "sent":
                 return sent
             c.next += 1

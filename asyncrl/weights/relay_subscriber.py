@@ -10,6 +10,7 @@ slot (also kept for downstreams that join), and the one arriving.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from pathlib import Path
@@ -55,7 +56,7 @@ class RelayWeightSubscriber(BackgroundSubscriber):
         make_server(self._router, curve_keys(secret, bind))
         self._router.bind(bind)
         self.relay_address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._fanout = Fanout(self._forward)
+        self._fanout = Fanout(functools.partial(send_nonblocking, self._router, copy=False))  # no cycle
         self._last_hello = 0.0
         self._thread = threading.Thread(target=self._run, name="weights-relay-sub", daemon=True)
         self._thread.start()
@@ -82,9 +83,6 @@ class RelayWeightSubscriber(BackgroundSubscriber):
             sock.send_multipart([kind, msgpack.packb({"id": self.subscriber_id, **body})], flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # unreachable for now; hello is repeated every HEARTBEAT_S
-
-    def _forward(self, ident: bytes, frames: list):
-        return send_nonblocking(self._router, ident, frames, copy=False)
 
     def _run(self) -> None:
         torch.set_num_threads(1)
@@ -122,6 +120,7 @@ class RelayWeightSubscriber(BackgroundSubscriber):
             self._data.close()
         self._control.close()
         self._router.close()
+        self._fanout, self._incoming = Fanout(self._fanout.send), None  # the versions go with the thread
         if self.relay_address.startswith("ipc://"):
             Path(self.relay_address.removeprefix("ipc://")).unlink(missing_ok=True)
 

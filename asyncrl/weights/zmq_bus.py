@@ -75,6 +75,9 @@ class ZmqWeightPublisher(RouterPublisher[Snapshot]):
         self._newest = (snap.version, [zmq.Frame(f) for f in frames[:2]] + buckets, released)
         self._stats["versions"] += 1
 
+    def _stopped(self) -> None:
+        self._newest, self._pool = None, BucketPool()  # the versions go now, not when the publisher does
+
     def _hello(self, ident: bytes, peer: Peer, body: dict, joined: bool) -> None:
         peer.have = max(peer.have, int(body.get("have", -1)))
 
@@ -121,3 +124,4 @@ class ZmqWeightSubscriber(VerifyingSubscriber):
         if not self._closed:
             self._closed = True
             self._client.close()
+            del self._client  # its hello fields read this subscriber: no cycle left to outlive it

@@ -17,6 +17,8 @@ memcpy is the best of a few ``dst.copy_(src)`` of one buffer of the same size.
 a veth pair (10.213.0.1 on this side, 10.213.0.2 inside, deleted afterwards even on error), the
 publisher bound on 10.213.0.1, and every other subscriber (the first included) inside the namespace,
 so a G = 1 version crosses the veth once and a relayed G = 8 one at every hop.
+Memory: each case starts every process's peak resident set afresh (``/proc/<pid>/clear_refs``); the
+subscriber processes are killed by the kernel when the bench dies, however it dies.
 With few cores, G subscriber processes contend for them: every zmq subscriber receives and hashes
 every byte (and a relay writes it once more), shm ones do not. GB = 1e9 bytes.
 
@@ -27,6 +29,10 @@ every byte (and a relay writes it once more), shm ones do not. GB = 1e9 bytes.
     RESULT zmq_relay_g8_cpu_floor_over_g1 <relayed G=8 floor (core-seconds / cores) / G=1 time>
     RESULT zmq_g8_over_g1, zmq_g8_cpu_floor_over_g1, shm_g8_over_g1 <the same for direct zmq and shm>
     RESULT zmq_relay_netns_g8_over_g1, zmq_netns_g8_over_g1 <the same across the namespace boundary>
+    RESULT zmq_g8_publisher_peak_versions <the publisher's peak resident memory at G=8, above what the bench
+        held before it existed, in versions (x the state dict's bytes); also zmq_relay_ and shm_>
+    RESULT zmq_g8_subscriber_peak_versions <the largest subscriber process's peak resident memory at G=8 (its
+        Python and torch included), in versions; also zmq_relay_ and shm_>
     RESULT zmq_gbps_per_subscriber <GB/s per subscriber over zmq at G=1>
     RESULT shm_g1_over_memcpy <shm time G=1 / memcpy time>
     RESULT zmq_g1_over_memcpy <zmq time G=1 / memcpy time>
@@ -49,11 +55,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import importlib.util
 import json
 import os
 import queue
 import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -176,10 +184,17 @@ def subscriber_main(index: int) -> None:
     ["unsub"], ["exit"]; each is answered [command, index] on stdout, and every version its poll
     returns is reported ["got", index, version, perf_counter]. The secret, if any, is in
     ``ASYNCRL_SECRET``."""
+    die_with_parent()
     torch.set_num_threads(1)
     secret = os.environ.get("ASYNCRL_SECRET") or None
     commands: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [commands.put(json.loads(line)) for line in sys.stdin], daemon=True).start()
+
+    def read_commands() -> None:
+        for line in sys.stdin:
+            commands.put(json.loads(line))
+        commands.put(["exit"])  # the bench is gone (its end of the pipe closed): so is this subscriber
+
+    threading.Thread(target=read_commands, daemon=True).start()
 
     def say(*msg) -> None:
         print(json.dumps(msg), flush=True)
@@ -207,6 +222,16 @@ def subscriber_main(index: int) -> None:
             apply_version(update.tensors, params, base, scale)
         say("got", index, update.version, time.perf_counter(), time.process_time())
         del update  # an shm version's file is reusable once no process maps it
+
+
+def die_with_parent() -> None:
+    """The kernel kills this process when the bench dies, however it dies (the OOM killer's SIGKILL
+    included): a subscriber holding a version must not outlive it (Linux ``PR_SET_PDEATHSIG``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the bench died before the prctl
+        os._exit(1)
 
 
 def apply_version(tensors: dict, params: dict, base: dict | None, scale: float) -> None:
@@ -295,6 +320,31 @@ class Subscribers:
 
 
 # --- measurements -----------------------------------------------------------------------------------
+def _status_kb(pid: int | str, field: str) -> int:
+    """A ``/proc/<pid>/status`` figure in kB (0 once the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peak(pid: int | str) -> None:
+    """Start ``pid``'s peak resident set (VmHWM) afresh from its current one (Linux >= 4.0)."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    return _status_kb(pid, "VmRSS") << 10
+
+
+def peak_bytes(pid: int | str = "self") -> int:
+    return _status_kb(pid, "VmHWM") << 10
+
+
 def memcpy_s(nbytes: int, tries: int = 5) -> float:
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)  # faulted in: the copy runs at memory speed
@@ -352,7 +402,14 @@ def make_publisher(transport: str, args, tmp: str, host: str):
 
 
 def run_case(subs: Subscribers, state: dict, transport: str, g: int, args, tmp: str, host: str) -> tuple[float, dict]:
-    """Median seconds from publish() to the last subscriber's poll, and the publisher's stats."""
+    """Median seconds from publish() to the last subscriber's poll, and the publisher's stats, with
+    ``pub_peak``: the most this process held above what it held before the publisher existed (the
+    caller's own state dict is not counted), and ``sub_peak``: the largest peak resident set of the
+    G subscriber processes during the case."""
+    pids = [p.pid for p in subs.procs[:g]]
+    for pid in ["self", *pids]:
+        reset_peak(pid)
+    before_rss = rss_bytes()
     pub = make_publisher(transport, args, tmp, host)
     try:
         subs.command(g, ["sub", transport, pub.address, args.shm_verify, args.apply, getattr(args, "adapter", None)])
@@ -374,8 +431,9 @@ def run_case(subs: Subscribers, state: dict, transport: str, g: int, args, tmp: 
                 # since it reported the previous version (all its threads, user and kernel time).
                 cpus.append(time.process_time() - pub_cpu + sum(got[i][1] - before[i][1] for i in got))
             before = got
+        peaks = {"pub_peak": peak_bytes() - before_rss, "sub_peak": max(peak_bytes(pid) for pid in pids)}
         subs.command(g, ["unsub"])
-        return statistics.median(times), {**pub.stats(), "cpu_s": statistics.median(cpus)}
+        return statistics.median(times), {**pub.stats(), "cpu_s": statistics.median(cpus), **peaks}
     finally:
         pub.close()
 
@@ -399,12 +457,15 @@ def run_all(state: dict, nbytes: int, memcpy: float, args, where: str, netns: st
                         s, stats = run_case(subs, state, transport, g, args, tmp, host)
                         times.setdefault((transport, g), []).append(s)
                         times.setdefault((transport, g, "cpu"), []).append(cpu := stats["cpu_s"])
+                        pub_x, sub_x = stats["pub_peak"] / nbytes, stats["sub_peak"] / nbytes
+                        times.setdefault((transport, g, "pub_peak"), []).append(pub_x)
+                        times.setdefault((transport, g, "sub_peak"), []).append(sub_x)
                         keep = ("copy_ms", "seal_ms", "files_created", "sends")
                         extra = {k: v for k, v in stats.items() if k in keep}
                         print(
                             f"{where:>5} {transport:>9} {g:>2} {s:8.3f} {nbytes / s / 1e9:9.2f} "
                             f"{g * nbytes / s / 1e9:9.2f} {s / memcpy:9.1f} {cpu:7.2f} {cpu / os.cpu_count():7.2f}"
-                            f"  round {r} {extra or ''}",
+                            f" {pub_x:7.2f} {sub_x:7.2f}  round {r} {extra or ''}",
                             flush=True,
                         )
     finally:
@@ -453,8 +514,10 @@ def main() -> None:
     print(f"memcpy: {memcpy:.3f}s ({nbytes / memcpy / 1e9:.2f} GB/s)")
     hashed = hash_s(nbytes)
     print(f"xxh3-128 of as many bytes (the wire checksum, one core): {hashed:.3f}s ({nbytes / hashed / 1e9:.2f} GB/s)")
-    print("where transport  G  seconds  GB/s/sub  GB/s all  x memcpy   cpu_s   floor  publisher")
-    print("(cpu_s: core-seconds per version, all processes; floor: cpu_s / cores, the least time it can take)")
+    print("where transport  G  seconds  GB/s/sub  GB/s all  x memcpy   cpu_s   floor pub_rss sub_rss  publisher")
+    print("(cpu_s: core-seconds per version, all processes; floor: cpu_s / cores, the least time it can take;")
+    print(" pub_rss: the publisher's peak resident memory above the process's before it existed, sub_rss: the")
+    print(" largest subscriber process's peak resident memory, both in versions (x the state dict's bytes))")
     results = run_all(state, nbytes, memcpy, args, "host", None)
     netns: dict = {}
     if args.netns:
@@ -474,6 +537,10 @@ def report(results: dict, netns: dict, nbytes: int, memcpy: float) -> None:
                 # What no scheduling can beat here: G=8's core-seconds spread over every core, over G=1's time.
                 floor = res[transport, 8, "cpu"] / (os.cpu_count() or 1)
                 print(f"RESULT {label}_{where}g8_cpu_floor_over_g1 {floor / res[transport, 1]:.3f}")
+    for transport, label in (("zmq-relay", "zmq_relay"), ("zmq", "zmq"), ("shm", "shm")):
+        if (transport, 8, "pub_peak") in results:  # memory: in versions (x the state dict's bytes), at G = 8
+            print(f"RESULT {label}_g8_publisher_peak_versions {results[transport, 8, 'pub_peak']:.2f}")
+            print(f"RESULT {label}_g8_subscriber_peak_versions {results[transport, 8, 'sub_peak']:.2f}")
     if ("zmq", 1) in results:
         print(f"RESULT zmq_gbps_per_subscriber {nbytes / results['zmq', 1] / 1e9:.3f}")
     if ("shm", 1) in results:
