@@ -114,6 +114,7 @@ class WeightFeed:
             "weights/applied_at": now,
             "weights/bytes": update.nbytes,
             "weights/checksum": update.checksum,  # the bytes applied: the publisher's, verified
+            **sent_metrics(update.sent),
         }
         if probe_to_come:
             self._pending = record
@@ -133,3 +134,19 @@ class WeightFeed:
         record, self._pending = self._pending, None
         if record is not None:
             self._metrics.log(record)
+
+
+def sent_metrics(sent: dict) -> dict:
+    """How a version crossed the bus (``WeightUpdate.sent``): its bytes on the wire, whether it was a delta,
+    the fraction of elements that changed (a delta), or why it went full (a full one)."""
+    if not sent:
+        return {}
+    record = {"weights/sent_bytes": sent.get("bytes"), "weights/delta": 1.0 if sent.get("kind") == "delta" else 0.0}
+    if sent.get("changed_fraction") is not None:
+        record["weights/changed_fraction"] = sent["changed_fraction"]
+    reason = sent.get("full_reason")
+    if sent.get("asked"):
+        reason = "this generator asked for it (a delta did not apply)"
+    if sent.get("kind") == "full" and reason:
+        record["weights/full_reason"] = reason
+    return record

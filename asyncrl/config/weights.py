@@ -26,6 +26,22 @@ class ZmqWeightsConfig(_WeightsBase):
         description="Generators relay each version's buckets to one another (a pipelined chain), so the "
         "publisher sends it about once whatever the fleet size; false: the publisher sends it to every one.",
     )
+    delta: bool = Field(
+        True,
+        description="Send a version as what changed since the one before it (bit-exact, verified whole) to every "
+        "generator that holds that one, when that is at most delta_max_ratio of the bytes: bfloat16 runs, where few "
+        "elements change per step; float32 runs, where nearly all do, keep sending full versions and say why "
+        "(weights/full_reason). Direct fan-out only: a relay chain sends full versions.",
+    )
+    delta_max_ratio: float = Field(
+        0.5, gt=0, le=1, description="A delta goes only when its bytes are at most this fraction of the full version's."
+    )
+    full_every: int = Field(
+        50,
+        ge=0,
+        description="With deltas, a full version to everyone at least every this many versions (0: only to "
+        "generators that join, restart, miss or fail to verify one).",
+    )
 
 
 class ShmWeightsConfig(_WeightsBase):

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from asyncrl.weights.delta import Held
 from asyncrl.weights.wire import WeightsRejected, WeightUpdate, decode, peek_version
 
 if TYPE_CHECKING:
@@ -117,16 +118,26 @@ class BackgroundSubscriber(WeightSubscriber):
 
 
 class VerifyingSubscriber(WeightSubscriber):
-    """``poll`` on top of a transport's ``_receive``: pick the newest message, verify, skip older."""
+    """``poll`` on top of a transport's ``_receive``: pick the newest message, verify, skip older.
+
+    Deltas (``delta``): a delta applies to the version returned last, so when several arrived together
+    they apply in order from the newest full one among them (or the held version); one that cannot
+    apply (no base, a failed check) is rejected, the held version stays, and ``_want_full`` asks the
+    transport for a full version."""
 
     def __init__(self, subscriber_id: str, have: int = -1) -> None:
         self.subscriber_id = subscriber_id
         self.latest_version = have
         self.rejected = 0
+        self.held = Held()  # what deltas apply to
+        self.wants_full = False  # a delta could not apply: the next version must be full
 
     @abc.abstractmethod
     def _receive(self, timeout_ms: int) -> list[Sequence]:
         """All complete messages that arrived (waiting up to ``timeout_ms`` for the first)."""
+
+    def _want_full(self) -> None:  # noqa: B027 - optional hook
+        """A delta could not apply (``wants_full`` is set): tell the publisher, if the transport can."""
 
     def poll(self, timeout_ms: int = 0) -> WeightUpdate | None:
         deadline = time.monotonic() + max(timeout_ms, 0) / 1000
@@ -150,13 +161,43 @@ class VerifyingSubscriber(WeightSubscriber):
                 continue
             if version > self.latest_version:
                 candidates.append((version, manifest, frames))
-        # Newest first; older versions behind a verified one are skipped without the cost of checking.
-        for version, manifest, frames in sorted(candidates, key=lambda c: -c[0]):
+        candidates.sort(key=lambda c: c[0])
+        fulls = [i for i, (_, manifest, _) in enumerate(candidates) if not isinstance(manifest.get("delta"), dict)]
+        # From the newest full version on (older ones are skipped without the cost of checking; if it
+        # fails, from the one before), or from the held version: each delta applies to the one before.
+        update, missed, failed = None, False, set()
+        for start in dict.fromkeys([*reversed(fulls), 0]):
+            update, missed = self._chain(candidates[start:], failed)
+            if update is not None:
+                break
+        if missed and not self.wants_full:
+            self.wants_full = True
+            log.info("weights: %s asks for a full version (a delta did not apply)", self.subscriber_id)
+            self._want_full()
+        return update
+
+    def _chain(self, candidates: list, failed: set[int]) -> tuple[WeightUpdate | None, bool]:
+        """Take ``candidates`` in order, but those in ``failed`` (where the ones that fail go): the last version
+        that verified, and whether a delta could not apply after it."""
+        update, missed = None, False
+        for version, manifest, frames in candidates:
+            delta = manifest.get("delta")
+            if version in failed:
+                missed = missed or isinstance(delta, dict)
+                continue
+            if isinstance(delta, dict) and delta.get("base") != self.held.version:
+                missed = True  # its base never came here (or failed): only a full version helps
+                continue
             try:
-                update = decode(frames, manifest)
+                update = self.held.take(decode(frames, manifest), manifest)
             except WeightsRejected as exc:
                 self._reject(version, str(exc))
+                failed.add(version)
+                missed = missed or isinstance(delta, dict)
                 continue
             self.latest_version = update.version
-            return update
-        return None
+            if self.wants_full and not isinstance(delta, dict):
+                update.sent["asked"] = True  # the full version this subscriber asked for
+                self.wants_full = False
+            missed = False
+        return update, missed

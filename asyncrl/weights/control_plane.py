@@ -117,6 +117,7 @@ class Peer:
 
     name: str
     have: int  # newest version it holds or has been sent, as far as the publisher knows
+    base: int = -1  # the version it holds as tensors, which a delta applies to (-1: none; ``delta``)
 
 
 class RouterPublisher(WeightPublisher, Generic[Snap]):

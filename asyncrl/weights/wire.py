@@ -84,6 +84,9 @@ class WeightUpdate:
     nbytes: int  # payload bytes (sum of tensor nbytes)
     received_at: float  # time.time() when the subscriber took it off the wire
     published_at: float = 0.0  # publisher's time.time() when it serialised the version
+    # What crossed the wire, for the record: "kind" ("full" or "delta"), "bytes" (its payload),
+    # "full_reason" (a full one: why not a delta), "changed_fraction" (a delta: of the elements).
+    sent: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -251,10 +254,12 @@ def snapshot(
     return Snapshot(int(version), entries, buckets, time.time())
 
 
-def seal(snap: Snapshot) -> list:
-    """Checksum a snapshot and return its frames (the bucket frames are the snapshot's arrays)."""
-    bucket_sums, whole = checksums(snap.entries, snap.buckets)
+def seal(snap: Snapshot, extra: dict | None = None, sums: tuple[list[str], str] | None = None) -> list:
+    """Checksum a snapshot and return its frames (the bucket frames are the snapshot's arrays);
+    ``extra``: more manifest fields (a delta's, see ``delta``); ``sums``: its ``checksums``, if known."""
+    bucket_sums, whole = sums or checksums(snap.entries, snap.buckets)
     manifest = {
+        **(extra or {}),
         "version": snap.version,
         "tensors": snap.entries,
         "buckets": [{"nbytes": int(b.nbytes), "checksum": c} for b, c in zip(snap.buckets, bucket_sums, strict=True)],
@@ -262,6 +267,7 @@ def seal(snap: Snapshot) -> list:
         "created_at": snap.created_at,
     }
     return [WIRE_HEADER, msgpack.packb(manifest), *snap.buckets]
+
 
 
 def encode(version: int, state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list:
@@ -374,11 +380,20 @@ def decode(frames: Sequence, manifest: dict | None = None) -> WeightUpdate:
     if checksum != manifest["checksum"]:
         raise WeightsRejected("state dict checksum mismatch")
     tensors = tensor_views(entries, [flat_tensor(b) for b in buckets])
+    nbytes = sum(e["nbytes"] for e in entries)
     return WeightUpdate(
         version=manifest["version"],
         tensors=tensors,
         checksum=checksum,
-        nbytes=sum(e["nbytes"] for e in entries),
+        nbytes=nbytes,
         received_at=time.time(),
         published_at=float(manifest.get("created_at", 0.0) or 0.0),
+        sent=sent_record(manifest, nbytes),
     )
+
+
+def sent_record(manifest: dict, nbytes: int) -> dict:
+    """What a version's manifest says about how it travelled (``WeightUpdate.sent``)."""
+    if isinstance(manifest.get("delta"), dict):
+        return {"kind": "delta", "bytes": nbytes, "changed_fraction": manifest.get("changed_fraction")}
+    return {"kind": "full", "bytes": nbytes, "full_reason": manifest.get("full_reason")}

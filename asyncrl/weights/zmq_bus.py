@@ -26,7 +26,8 @@ import zmq
 
 from asyncrl.weights.base import VerifyingSubscriber, log
 from asyncrl.weights.control_plane import ControlClient, Peer, RouterPublisher
-from asyncrl.weights.wire import BucketPool, Snapshot, seal, snapshot
+from asyncrl.weights.delta import DeltaPolicy, Deltas
+from asyncrl.weights.wire import BucketPool, Snapshot, checksums, seal, snapshot
 
 if TYPE_CHECKING:
     import numpy as np
@@ -43,14 +44,23 @@ _IDLE_MS = 500
 
 class ZmqWeightPublisher(RouterPublisher[Snapshot]):
     def __init__(
-        self, address: str = "tcp://127.0.0.1:*", bucket_bytes: int = 64 << 20, secret: str | None = None
+        self,
+        address: str = "tcp://127.0.0.1:*",
+        bucket_bytes: int = 64 << 20,
+        secret: str | None = None,
+        deltas: DeltaPolicy | None = None,
     ) -> None:
         super().__init__(address, "weights-publisher", sndhwm=_HWM, secret=secret)
         self.bucket_bytes = bucket_bytes
         self._pool = BucketPool()  # buckets of versions ZeroMQ has finished sending, for reuse
         # Thread state: the newest version, its frames, and its buckets' release for the pool.
         self._newest: tuple[int, list, tuple[list[np.ndarray], Callable[[], bool]]] | None = None
-        self._stats = {"versions": 0, "sends": 0, "deferred": 0}
+        # With deltas: the newest version's snapshot (the next delta's base) and checksum, and its delta
+        # (the frames, and the version it applies to) when it went as one.
+        self._deltas = Deltas(deltas, bucket_bytes) if deltas is not None else None
+        self._base: tuple[Snapshot, str] | None = None
+        self._delta: tuple[int, list] | None = None
+        self._stats = {"versions": 0, "sends": 0, "deferred": 0, "delta_sends": 0, "full_sends": 0}
         self._start()
 
     def stats(self) -> dict[str, int]:
@@ -63,22 +73,44 @@ class ZmqWeightPublisher(RouterPublisher[Snapshot]):
         self._pool.give(snap.buckets)
 
     def _take(self, snap: Snapshot) -> None:
-        frames = seal(snap)
+        frames = self._seal(snap)
         # Bucket frames wrap the snapshot's arrays without copying; every send shares them. Once
         # a newer version replaces them and ZeroMQ has written the last send, their trackers are
         # done and the arrays go back to the pool.
         buckets = [zmq.Frame(f, copy=False, track=True) for f in frames[2:]]
-        if self._newest is not None:
+        if self._newest is not None and self._base is None:
             self._pool.give(*self._newest[2])
         trackers = [f.tracker for f in buckets]
         released = (snap.buckets, lambda: all(t.done for t in trackers))
         self._newest = (snap.version, [zmq.Frame(f) for f in frames[:2]] + buckets, released)
         self._stats["versions"] += 1
 
+    def _seal(self, snap: Snapshot) -> list:
+        """``snap``'s full frames, and with deltas, its delta against the version before (``_delta``)."""
+        self._delta = None
+        if self._deltas is None:
+            return seal(snap)
+        sums = checksums(snap.entries, snap.buckets)
+        checksum, base = sums[1], self._base
+        delta, why = self._deltas.make(*(base or (None, None)), snap, checksum)
+        if base is not None and self._newest is not None:
+            self._pool.give(*self._newest[2])  # the base's buckets: no delta needs them any more
+        if delta is not None:
+            self._delta = (base[0].version, delta)
+            why = f"a delta went to every subscriber that holds version {base[0].version}"
+        frames = seal(snap, {"full_reason": why}, sums)  # the full version says why it is not the delta
+        self._base = (snap, checksum)
+        return frames
+
     def _stopped(self) -> None:
         self._newest, self._pool = None, BucketPool()  # the versions go now, not when the publisher does
+        self._base = self._delta = None
 
     def _hello(self, ident: bytes, peer: Peer, body: dict, joined: bool) -> None:
+        if body.get("full"):  # a delta did not apply there: the newest again, in full
+            peer.have, peer.base = int(body.get("have", -1)), -1
+        elif joined:  # what it holds as tensors, which a delta applies to (none: it gets full versions)
+            peer.base = int(body.get("base", -1))
         peer.have = max(peer.have, int(body.get("have", -1)))
 
     def _wait_ms(self) -> int:
@@ -88,19 +120,21 @@ class ZmqWeightPublisher(RouterPublisher[Snapshot]):
     def _deliver(self) -> None:
         if self._newest is None:
             return
-        version, frames, _ = self._newest
+        version, full, _ = self._newest
         for ident, peer in list(self._peers.items()):
             if peer.have >= version:
                 continue
-            sent = self._send(ident, frames, copy=False)
+            delta = self._delta is not None and peer.base == self._delta[0]
+            sent = self._send(ident, self._delta[1] if delta else full, copy=False)
             if sent == "full":
                 self._stats["deferred"] += 1  # queue full: retried next tick, newest version only
             elif sent == "gone":
                 log.debug("weights: subscriber %s unreachable, forgotten", peer.name)
                 del self._peers[ident]
             else:
-                peer.have = version
+                peer.have = peer.base = version
                 self._stats["sends"] += 1
+                self._stats["delta_sends" if delta else "full_sends"] += 1
 
 
 class ZmqWeightSubscriber(VerifyingSubscriber):
@@ -109,10 +143,14 @@ class ZmqWeightSubscriber(VerifyingSubscriber):
     ) -> None:
         super().__init__(subscriber_id, have)
         self.address = address
-        self._client = ControlClient(
-            address, subscriber_id, lambda: {"have": self.latest_version}, rehello_s, rcvhwm=_HWM, secret=secret
-        )
+        self._client = ControlClient(address, subscriber_id, self._fields, rehello_s, rcvhwm=_HWM, secret=secret)
         self._closed = False
+        self._client.hello()
+
+    def _fields(self) -> dict:
+        return {"have": self.latest_version, "base": self.held.version, "full": self.wants_full}
+
+    def _want_full(self) -> None:
         self._client.hello()
 
     def _receive(self, timeout_ms: int) -> list[Sequence]:

@@ -296,7 +296,7 @@ def test_corrupted_versions_are_rejected_and_old_version_kept(transport):
         sub = ZmqWeightSubscriber(router.getsockopt_string(zmq.LAST_ENDPOINT), "g0")
         assert router.poll(2000), "subscriber sent no hello"
         ident, kind, body = router.recv_multipart()
-        assert kind == b"hello" and msgpack.unpackb(body) == {"id": "g0", "have": -1}
+        assert kind == b"hello" and msgpack.unpackb(body) == {"id": "g0", "have": -1, "base": -1, "full": False}
 
         def send(frames):
             router.send_multipart([ident, *frames])

@@ -1,0 +1,212 @@
+"""Delta versions: a version as what changed since the one before it, bit-exact, with the checksum
+of the whole result so a subscriber verifies what it applies exactly as it does a full version.
+
+A delta of version ``v`` against base version ``b`` travels as an ordinary wire version (``wire``)
+whose payload tensors say what changed and whose manifest carries::
+
+    manifest["delta"] = {"base": b,
+                         "base_checksum": str,   # the state checksum the base must have
+                         "tensors": [{"name": str, "dtype": str, "shape": [int, ...],
+                                      "kind": "same" | "full" | "sparse"}, ...]}
+    manifest["checksum"]                         # the state checksum of the payload, as for any version
+    manifest["result_checksum"]                  # the state checksum of version v, whole
+
+and the payload holds, per tensor of the result: nothing (``same``: the base's bytes), the tensor
+under its own name (``full``), or ``<name>@index`` (int64, the changed elements' flat positions,
+ascending) and ``<name>@value`` (the new elements, 1-D, the tensor's dtype) (``sparse``). Elements
+compare by their bits (a NaN that stays NaN is unchanged; -0.0 against 0.0 is a change), so applying
+the delta to the base reproduces every byte. A full version may say why it is not a delta
+(``manifest["full_reason"]``).
+
+Why sparse and not XOR-and-compress: measured on SmolLM2 in bfloat16 here, the changed elements of a
+version are scattered singly, so an XOR stream compresses to about what (position, value) pairs take,
+at a compressor's cost on both ends, and the pairs apply with one indexed copy per tensor.
+
+The publisher side (``Deltas``) keeps nothing between versions: the transport hands it the previous
+version's snapshot while it still holds it. The subscriber side (``Held``) keeps the tensors of the
+version it returned last (views of received frames, or the arrays a delta made), which the next delta
+applies to; the tensors of an update are never written to afterwards.
+
+May import: the core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from asyncrl.weights.wire import (
+    DTYPES,
+    Snapshot,
+    WeightsRejected,
+    WeightUpdate,
+    dtype_name,
+    seal,
+    snapshot,
+    state_dict_checksum,
+    tensor_views,
+)
+
+INDEX, VALUE = "@index", "@value"
+# Integer types of the same width as each element size: elements compare and copy by their bits.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaPolicy:
+    """When a version travels as a delta (``weights.delta``)."""
+
+    full_every: int = 50  # a full version to everyone at least every this many versions (0: never)
+    max_ratio: float = 0.5  # a delta only when its payload is at most this fraction of the full version
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(_BITS[t.element_size()])
+
+
+def delta_tensors(
+    base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], budget: float = math.inf
+) -> tuple[dict[str, torch.Tensor], list[dict], int] | None:
+    """The payload of ``new`` as a delta against ``base``, its result entries, and the number of changed
+    elements; None once the payload would exceed ``budget`` bytes (the caller sends the full version)."""
+    payload: dict[str, torch.Tensor] = {}
+    entries: list[dict] = []
+    nbytes = changed = 0
+    for name in sorted(new):
+        t = new[name]
+        entry = {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "kind": "full"}
+        old = base.get(name)
+        if old is not None and old.dtype == t.dtype and old.shape == t.shape and t.numel():
+            where = torch.nonzero(_bits(old) != _bits(t)).reshape(-1)
+            size = where.numel() * (8 + t.element_size())
+            if not where.numel():
+                entry["kind"] = "same"
+            elif size < t.numel() * t.element_size():
+                entry["kind"] = "sparse"
+                payload[name + INDEX] = where
+                payload[name + VALUE] = t.reshape(-1)[where]
+                nbytes += size
+            changed += where.numel()
+        elif t.numel():
+            changed += t.numel()
+        if entry["kind"] == "full":
+            payload[name] = t
+            nbytes += t.numel() * t.element_size()
+        if nbytes > budget:
+            return None
+        entries.append(entry)
+    return payload, entries, changed
+
+
+class Deltas:
+    """The publisher's side: whether a version goes as a delta against the one before it, and its frames."""
+
+    def __init__(self, policy: DeltaPolicy, bucket_bytes: int) -> None:
+        self.policy, self.bucket_bytes = policy, bucket_bytes
+        self._since_full = 0  # versions since the last one sent full to everyone
+
+    def make(self, base: Snapshot | None, base_checksum: str | None, snap: Snapshot, checksum: str):
+        """``(frames, None)``: the sealed delta of ``snap`` (whose state checksum is ``checksum``) against
+        ``base``; or ``(None, why)``: send it full, because ``why``."""
+        self._since_full += 1
+        if base is None or base_checksum is None:
+            return self._full("no earlier version")
+        if self.policy.full_every and self._since_full >= self.policy.full_every:
+            return self._full(f"a full version every {self.policy.full_every}")
+        full_bytes = sum(e["nbytes"] for e in snap.entries)
+        made = delta_tensors(_tensors(base), _tensors(snap), self.policy.max_ratio * full_bytes)
+        if made is None:
+            return self._full(f"a delta would carry more than {self.policy.max_ratio:g} of the bytes")
+        payload, entries, changed = made
+        numel = sum(math.prod(e["shape"]) for e in snap.entries)
+        extra = {
+            "delta": {"base": base.version, "base_checksum": base_checksum, "tensors": entries},
+            "result_checksum": checksum,
+            "changed_fraction": changed / max(numel, 1),
+            "full_bytes": full_bytes,
+        }
+        frames = seal(snapshot(snap.version, payload, self.bucket_bytes), extra)
+        return frames, None
+
+    def _full(self, why: str):
+        self._since_full = 0
+        return None, why
+
+
+def _tensors(snap: Snapshot) -> dict[str, torch.Tensor]:
+    return tensor_views(snap.entries, [torch.from_numpy(b) for b in snap.buckets])
+
+
+class Held:
+    """The subscriber's side: the version it returned last, as tensors, and the deltas that apply to it."""
+
+    def __init__(self) -> None:
+        self.version = -1  # -1: none (a delta cannot apply until a full version came)
+        self.checksum: str | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def take(self, update: WeightUpdate, manifest: dict) -> WeightUpdate:
+        """``update`` (received with ``manifest``) as a full version, a delta applied to the held one; held
+        from now on if its publisher sends deltas. Raises ``WeightsRejected`` (and holds what it held) when a
+        delta does not apply or its result does not verify."""
+        delta = manifest.get("delta")
+        if isinstance(delta, dict):
+            update = self._apply(update, delta, manifest.get("result_checksum"))
+        elif "full_reason" not in manifest:  # a publisher that sends no deltas: nothing to hold for them
+            self.version, self.checksum, self.tensors = -1, None, {}
+            return update
+        self.version, self.checksum, self.tensors = update.version, update.checksum, update.tensors
+        return update
+
+    def _apply(self, update: WeightUpdate, delta: dict, result_checksum: str | None) -> WeightUpdate:
+        base = delta.get("base")
+        if base != self.version or delta.get("base_checksum") != self.checksum:
+            raise WeightsRejected(f"a delta against version {base}, and this subscriber holds {self.version}")
+        entries = delta.get("tensors")
+        if not isinstance(entries, list) or not isinstance(result_checksum, str):
+            raise WeightsRejected("delta manifest incomplete")
+        payload, tensors = update.tensors, {}
+        for e in entries:
+            tensors[e["name"]] = _rebuild(e, self.tensors, payload)
+        if set(payload) - {n for e in entries for n in (e["name"], e["name"] + INDEX, e["name"] + VALUE)}:
+            raise WeightsRejected("delta payload holds tensors of no entry")
+        if state_dict_checksum(tensors) != result_checksum:
+            raise WeightsRejected("state dict checksum mismatch after applying the delta")
+        return dataclasses.replace(update, tensors=tensors, checksum=result_checksum, nbytes=_nbytes(tensors))
+
+
+def _rebuild(e: object, held: dict[str, torch.Tensor], payload: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One tensor of a delta's result; raises ``WeightsRejected`` when the entry or payload is malformed."""
+    if not isinstance(e, dict) or not isinstance(e.get("name"), str) or e.get("dtype") not in DTYPES:
+        raise WeightsRejected(f"bad delta entry {e!r:.80}")
+    name, dtype, shape, kind = e["name"], DTYPES[e["dtype"]], e.get("shape"), e.get("kind")
+    if not isinstance(shape, list):
+        raise WeightsRejected(f"delta entry {name}: bad shape")
+    if kind == "full":
+        t = payload.get(name)
+        if t is None or t.dtype != dtype or list(t.shape) != shape:
+            raise WeightsRejected(f"delta entry {name}: full tensor missing or of another kind")
+        return t
+    old = held.get(name)
+    if old is None or old.dtype != dtype or list(old.shape) != shape:
+        raise WeightsRejected(f"delta entry {name}: the held version has no such tensor")
+    if kind == "same":
+        return old
+    if kind != "sparse":
+        raise WeightsRejected(f"delta entry {name}: unknown kind {kind!r}")
+    where, value = payload.get(name + INDEX), payload.get(name + VALUE)
+    if where is None or value is None or where.dtype != torch.int64 or value.dtype != dtype:
+        raise WeightsRejected(f"delta entry {name}: sparse payload missing or of another type")
+    if where.dim() != 1 or where.shape != value.shape:
+        raise WeightsRejected(f"delta entry {name}: {where.numel()} positions for {value.numel()} values")
+    if where.numel() and (int(where.min()) < 0 or int(where.max()) >= old.numel()):
+        raise WeightsRejected(f"delta entry {name}: position out of range")
+    out = old.clone()
+    _bits(out)[where] = _bits(value)
+    return out
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
