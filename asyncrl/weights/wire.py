@@ -269,7 +269,6 @@ def seal(snap: Snapshot, extra: dict | None = None, sums: tuple[list[str], str] 
     return [WIRE_HEADER, msgpack.packb(manifest), *snap.buckets]
 
 
-
 def encode(version: int, state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list:
     """The frames of one version (``snapshot`` + ``seal``), in one go."""
     return seal(snapshot(version, state_dict, bucket_bytes))

@@ -45,7 +45,7 @@ def a_state(seed: int = 0) -> dict[str, torch.Tensor]:
 def changed(state: dict[str, torch.Tensor], rng: random.Random) -> dict[str, torch.Tensor]:
     """A next version: per tensor none, one, some or every element changed (NaN, -0.0 and +0.0 among them)."""
     new = {name: t.clone() for name, t in state.items()}
-    for name, t in new.items():
+    for t in new.values():
         n = t.numel()
         if not n:
             continue
