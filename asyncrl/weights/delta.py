@@ -7,20 +7,23 @@ whose payload tensors say what changed and whose manifest carries::
     manifest["delta"] = {"base": b,
                          "base_checksum": str,   # the state checksum the base must have
                          "tensors": [{"name": str, "dtype": str, "shape": [int, ...],
-                                      "kind": "same" | "full" | "sparse"}, ...]}
+                                      "kind": "same" | "packed" | "full",
+                                      "count": int}, ...]}  # packed: how many elements changed
     manifest["checksum"]                         # the state checksum of the payload, as for any version
     manifest["result_checksum"]                  # the state checksum of version v, whole
 
-and the payload holds, per tensor of the result: nothing (``same``: the base's bytes), the tensor
-under its own name (``full``), or ``<name>@index`` (int64, the changed elements' flat positions,
-ascending) and ``<name>@value`` (the new elements, 1-D, the tensor's dtype) (``sparse``). Elements
+and the payload holds, per tensor of the result: nothing (``same``: the base's bits); ``<name>@gaps``
+(zlib of, for each changed element in order, the number of unchanged ones before it, as little-endian
+uint64) and ``<name>@xor`` (zlib of the changed elements' bits XOR the base's, little-endian) (``packed``);
+or the tensor under its own name (``full``: when that is smaller, e.g. most elements changed). Elements
 compare by their bits (a NaN that stays NaN is unchanged; -0.0 against 0.0 is a change), so applying
-the delta to the base reproduces every byte. A full version may say why it is not a delta
-(``manifest["full_reason"]``).
+the delta to the base reproduces every byte. A full version from a publisher that sends deltas says why
+it is not one (``manifest["full_reason"]``).
 
-Why sparse and not XOR-and-compress: measured on SmolLM2 in bfloat16 here, the changed elements of a
-version are scattered singly, so an XOR stream compresses to about what (position, value) pairs take,
-at a compressor's cost on both ends, and the pairs apply with one indexed copy per tensor.
+Why packed: measured on SmolLM2-135M in bfloat16 after AdamW steps at lr 1e-5 (3.5-6.6% of the elements
+changed), int32 positions with raw values take 10-20% of the full bytes, 16-bit gaps with values 7-13%,
+and zlib's fastest level over the gaps and the XORs (which are mostly a low mantissa bit or two) 3.2-5.7%,
+at 0.5-0.8 s of one core for the whole model.
 
 The publisher side (``Deltas``) keeps nothing between versions: the transport hands it the previous
 version's snapshot while it still holds it. The subscriber side (``Held``) keeps the tensors of the
@@ -34,7 +37,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from asyncrl.weights.wire import (
@@ -49,7 +56,9 @@ from asyncrl.weights.wire import (
     tensor_views,
 )
 
-INDEX, VALUE = "@index", "@value"
+GAPS, XOR = "@gaps", "@xor"
+_GAP = np.dtype("<u8")  # little-endian, as the wire
+_LEVEL = 1  # zlib's fastest: the streams are mostly zero bits
 # Integer types of the same width as each element size: elements compare and copy by their bits.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -74,22 +83,26 @@ def delta_tensors(
     payload: dict[str, torch.Tensor] = {}
     entries: list[dict] = []
     nbytes = changed = 0
-    for name in sorted(new):
+    names = sorted(new)
+    comparable = [n for n in names if _comparable(base.get(n), new[n])]
+    # zlib and the tensor ops release the GIL: the tensors pack on threads, in order
+    packed_all = _threads().map(lambda n: _pack(_bits(base[n]), _bits(new[n])), comparable)
+    packs = dict(zip(comparable, packed_all, strict=True))
+    for name in names:
         t = new[name]
         entry = {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "kind": "full"}
-        old = base.get(name)
-        if old is not None and old.dtype == t.dtype and old.shape == t.shape and t.numel():
-            where = torch.nonzero(_bits(old) != _bits(t)).reshape(-1)
-            size = where.numel() * (8 + t.element_size())
-            if not where.numel():
+        if name in packs:
+            packed = packs[name]
+            changed += packed[0] if packed else t.numel()
+            if packed and packed[0] == 0:
                 entry["kind"] = "same"
-            elif size < t.numel() * t.element_size():
-                entry["kind"] = "sparse"
-                payload[name + INDEX] = where
-                payload[name + VALUE] = t.reshape(-1)[where]
-                nbytes += size
-            changed += where.numel()
-        elif t.numel():
+            elif packed and len(packed[1]) + len(packed[2]) < t.numel() * t.element_size():
+                count, gaps, xor = packed
+                entry.update(kind="packed", count=count)
+                payload[name + GAPS] = torch.frombuffer(bytearray(gaps), dtype=torch.uint8)
+                payload[name + XOR] = torch.frombuffer(bytearray(xor), dtype=torch.uint8)
+                nbytes += len(gaps) + len(xor)
+        else:
             changed += t.numel()
         if entry["kind"] == "full":
             payload[name] = t
@@ -98,6 +111,32 @@ def delta_tensors(
             return None
         entries.append(entry)
     return payload, entries, changed
+
+
+def _comparable(old: torch.Tensor | None, new: torch.Tensor) -> bool:
+    return old is not None and old.dtype == new.dtype and old.shape == new.shape and new.numel() > 0
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool): a forked child makes its own
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="delta"))
+    return _POOL[1]
+
+
+def _pack(old: torch.Tensor, new: torch.Tensor) -> tuple[int, bytes, bytes] | None:
+    """(changed elements, zlib of the gap before each, zlib of their XOR), or None when most changed."""
+    differs = old != new
+    count = int(torch.count_nonzero(differs))
+    if count > new.numel() // 2:
+        return None  # a dense change: the full tensor is smaller
+    where = torch.nonzero(differs).reshape(-1).numpy()
+    gaps = (np.diff(where, prepend=-1) - 1).astype(_GAP)
+    xor = (old.numpy()[where] ^ new.numpy()[where]).astype(old.numpy().dtype.newbyteorder("<"))
+    return count, zlib.compress(gaps.tobytes(), _LEVEL), zlib.compress(xor.tobytes(), _LEVEL)
 
 
 class Deltas:
@@ -167,10 +206,10 @@ class Held:
         entries = delta.get("tensors")
         if not isinstance(entries, list) or not isinstance(result_checksum, str):
             raise WeightsRejected("delta manifest incomplete")
-        payload, tensors = update.tensors, {}
-        for e in entries:
-            tensors[e["name"]] = _rebuild(e, self.tensors, payload)
-        if set(payload) - {n for e in entries for n in (e["name"], e["name"] + INDEX, e["name"] + VALUE)}:
+        payload = update.tensors
+        rebuilt = list(_threads().map(lambda e: _rebuild(e, self.tensors, payload), entries))
+        tensors = {e["name"]: t for e, t in zip(entries, rebuilt, strict=True)}
+        if set(payload) - {e["name"] + x for e in entries for x in ("", GAPS, XOR)}:
             raise WeightsRejected("delta payload holds tensors of no entry")
         if state_dict_checksum(tensors) != result_checksum:
             raise WeightsRejected("state dict checksum mismatch after applying the delta")
@@ -194,18 +233,31 @@ def _rebuild(e: object, held: dict[str, torch.Tensor], payload: dict[str, torch.
         raise WeightsRejected(f"delta entry {name}: the held version has no such tensor")
     if kind == "same":
         return old
-    if kind != "sparse":
-        raise WeightsRejected(f"delta entry {name}: unknown kind {kind!r}")
-    where, value = payload.get(name + INDEX), payload.get(name + VALUE)
-    if where is None or value is None or where.dtype != torch.int64 or value.dtype != dtype:
-        raise WeightsRejected(f"delta entry {name}: sparse payload missing or of another type")
-    if where.dim() != 1 or where.shape != value.shape:
-        raise WeightsRejected(f"delta entry {name}: {where.numel()} positions for {value.numel()} values")
-    if where.numel() and (int(where.min()) < 0 or int(where.max()) >= old.numel()):
+    count = e.get("count")
+    if kind != "packed" or not isinstance(count, int) or not 0 < count <= old.numel():
+        raise WeightsRejected(f"delta entry {name}: unknown kind {kind!r} or bad count")
+    gaps = np.frombuffer(_inflate(name, payload.get(name + GAPS), count * _GAP.itemsize), dtype=_GAP)
+    where = np.cumsum(gaps.astype(np.int64) + 1) - 1
+    if where[-1] >= old.numel():
         raise WeightsRejected(f"delta entry {name}: position out of range")
     out = old.clone()
-    _bits(out)[where] = _bits(value)
+    bits = _bits(out).numpy()
+    bits[where] ^= np.frombuffer(_inflate(name, payload.get(name + XOR), count * old.element_size()), bits.dtype)
     return out
+
+
+def _inflate(name: str, packed: torch.Tensor | None, nbytes: int) -> bytes:
+    """Exactly ``nbytes`` from the zlib stream ``packed``, or ``WeightsRejected`` (never more: no bomb)."""
+    if packed is None or packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise WeightsRejected(f"delta entry {name}: packed payload missing or of another type")
+    inflate = zlib.decompressobj()
+    try:
+        data = inflate.decompress(packed.numpy().tobytes(), nbytes)
+    except zlib.error as exc:
+        raise WeightsRejected(f"delta entry {name}: {exc}") from None
+    if len(data) != nbytes or not inflate.eof or inflate.unconsumed_tail:
+        raise WeightsRejected(f"delta entry {name}: packed payload of another length")
+    return data
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -49,6 +49,19 @@ into its tensors, an adapter merged into the base weights it read once from the 
     RESULT lora_bytes_ratio <adapter bytes / full bytes>
     RESULT lora_sync_ratio <adapter version, publish to applied / full version, G = 1>
     RESULT lora_sync_g8_ratio <the same for the last of 8 subscribers, with 8 in --groups>
+
+``--delta`` trains SmolLM2-135M (``--lora-model``'s directory) for ``--delta-steps`` AdamW steps and
+publishes each version, in ``--delta-dtype``, through two zmq publishers side by side, one sending
+deltas (``weights.delta``) and one full versions, each to G subscriber processes (``--groups``' largest)
+that check every version's checksum against the trained weights (see ``weights_delta``)::
+
+    .venv/bin/python scripts/bench/weights.py --delta [--groups 2] [--delta-steps 40] [--delta-dtype bfloat16]
+    RESULT delta_bytes_ratio <mean bytes sent per version with deltas / a full version's bytes>
+    RESULT delta_sync_ratio <median publish-to-applied in the last subscriber, deltas / full versions>
+
+``--delta-link-mbit M`` (root) puts the subscribers in a network namespace behind a veth pair limited to
+M Mbit/s each way (``tc``'s token bucket), the publishers on its host end over tcp: a generator on
+another host at that link speed.
 """
 
 from __future__ import annotations
@@ -220,7 +233,8 @@ def subscriber_main(index: int) -> None:
             continue
         if apply:
             apply_version(update.tensors, params, base, scale)
-        say("got", index, update.version, time.perf_counter(), time.process_time())
+        sent = update.sent
+        say("got", index, update.version, time.perf_counter(), time.process_time(), sent, update.checksum)
         del update  # an shm version's file is reusable once no process maps it
 
 
@@ -264,6 +278,7 @@ class Subscribers:
         if secret:
             env["ASYNCRL_SECRET"] = secret
         self.procs: list[subprocess.Popen] = []
+        self.received: dict[int, tuple[dict, str]] = {}  # index -> (update.sent, checksum) of its last arrival
         for i in range(n):
             prefix = ["ip", "netns", "exec", netns[i]] if netns[i] else []
             cmd = [*prefix, sys.executable, __file__, "--child", str(i)]
@@ -300,9 +315,10 @@ class Subscribers:
             if not ready:
                 raise TimeoutError(f"version {version}: {len(got)} of {g} subscribers reported")
             for out in ready:
-                kind, index, v, t, cpu = self._recv(outs[out], 1.0)
+                kind, index, v, t, cpu, sent, checksum = self._recv(outs[out], 1.0)
                 if v == version:
                     got[index] = (t, cpu)
+                    self.received[index] = (sent, checksum)
         return got
 
     def close(self) -> None:
@@ -368,9 +384,10 @@ NETNS_HOST, NETNS_PEER = NETNS_NET + "1", NETNS_NET + "2"
 
 
 @contextlib.contextmanager
-def network_namespace():
-    """As root: a network namespace joined to this one by a veth pair (10.213.0.1 here, .2 inside);
-    yields its name, and deletes it (with its veth pair) however the block ends."""
+def network_namespace(rate_mbit: int | None = None):
+    """As root: a network namespace joined to this one by a veth pair (10.213.0.1 here, .2 inside), each way
+    limited to ``rate_mbit`` if given (a token bucket: a network link's speed, not a memory copy's); yields
+    its name, and deletes it (with its veth pair) however the block ends."""
     name, link = f"asyncrl-wb{os.getpid()}", f"wb{os.getpid() % 100000}"
     steps = [
         ["ip", "netns", "add", name],
@@ -382,6 +399,10 @@ def network_namespace():
         ["ip", "netns", "exec", name, "ip", "link", "set", f"{link}b", "up"],
         ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
     ]
+    if rate_mbit:
+        tbf = ["root", "tbf", "rate", f"{rate_mbit}mbit", "burst", "1mb", "latency", "50ms"]
+        steps.append(["tc", "qdisc", "add", "dev", f"{link}a", *tbf])
+        steps.append(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", f"{link}b", *tbf])
     try:
         for step in steps:
             subprocess.run(step, check=True, timeout=30)
@@ -490,6 +511,11 @@ def main() -> None:
     ap.add_argument("--lora", action="store_true", help="a LoRA adapter's versions against the full model's")
     ap.add_argument("--lora-rank", type=int, default=8, help="--lora: the adapter's rank")
     ap.add_argument("--lora-model", default=".cache/models/smollm2-135m-instruct", help="--lora: HF model directory")
+    ap.add_argument("--delta", action="store_true", help="delta versions of a model in training against full ones")
+    ap.add_argument("--delta-steps", type=int, default=40, help="--delta: learner steps (versions)")
+    ap.add_argument("--delta-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="--delta: version dtype")
+    ap.add_argument("--delta-lr", type=float, default=1e-5, help="--delta: AdamW learning rate")
+    ap.add_argument("--delta-link-mbit", type=int, default=0, help="--delta: subscribers across a link of this speed")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -499,6 +525,10 @@ def main() -> None:
         from weights_lora import lora_main
 
         return lora_main(args, sys.modules[__name__])
+    if args.delta:
+        from weights_delta import delta_main
+
+        return delta_main(args, sys.modules[__name__])
 
     t0, load = time.perf_counter(), os.getloadavg()  # other processes' load skews every figure
     state = (smollm2_state() if args.smollm2 else None) or synthetic_state(args.mb)

@@ -58,6 +58,10 @@ def test_async_demo_learns_and_keeps_the_lag_bound(demo_run):
     ]
     assert mismatch and max(mismatch) < 0.01
     check_sync_health(metrics, generators=2)
+    # float32 versions cross the bus full (nearly every element moves each step), and say why
+    applied = [m for m in metrics if m.get("generator/version", 0) >= 2 and "weights/delta" in m]
+    assert applied and all(m["weights/delta"] == 0.0 for m in applied)
+    assert all("more than 0.5 of the bytes" in m["weights/full_reason"] for m in applied)
     assert (run_dir / "checkpoint").is_dir() and (run_dir / "logs" / "generator-1.log").is_file()
 
 

@@ -49,8 +49,8 @@ def changed(state: dict[str, torch.Tensor], rng: random.Random) -> dict[str, tor
         n = t.numel()
         if not n:
             continue
-        how = rng.choice(["none", "one", "some", "all"])
-        count = {"none": 0, "one": 1, "some": rng.randint(1, n), "all": n}[how]
+        how = rng.choice(["none", "one", "few", "some", "all"])
+        count = {"none": 0, "one": 1, "few": rng.randint(1, max(1, n // 20)), "some": rng.randint(1, n), "all": n}[how]
         where = torch.tensor(rng.sample(range(n), count), dtype=torch.int64)
         flat = t.reshape(-1)
         if t.dtype == torch.bool:
@@ -88,7 +88,7 @@ def test_a_hundred_random_deltas_rebuild_every_byte():
         assert got.version == version and got.checksum == state_dict_checksum(new)
         assert {n: bits(t) for n, t in got.tensors.items()} == {n: bits(t) for n, t in new.items()}
         state = new
-    assert kinds == {"same", "sparse", "full"}  # every way a tensor travels was exercised
+    assert kinds == {"same", "packed", "full"}  # every way a tensor travels was exercised
 
 
 def test_a_delta_that_does_not_fit_the_held_version_is_refused():
@@ -244,3 +244,42 @@ def test_a_corrupted_delta_is_refused_and_a_full_version_fetched(tmp_path):
     finally:
         sub.close()
         pub.close()
+
+
+def test_a_malformed_packed_payload_is_refused():
+    """A payload that is not what its entry says (a truncated or foreign zlib stream, another count, a
+    position past the tensor's end) is refused before anything is applied."""
+    import zlib
+
+    import numpy as np
+
+    held, state = Held(), a_state()
+    held.take(update_of(3, state), {"full_reason": "first"})
+    new = {n: t.clone() for n, t in state.items()}
+    new["embed"].view(-1)[:10] = new["embed"].view(-1)[:10] + 1
+    payload, entries, _ = delta_tensors(state, new)
+    (embed,) = [e for e in entries if e["name"] == "embed"]
+    assert embed["kind"] == "packed" and embed["count"] == 10
+
+    def packed(values, dtype) -> torch.Tensor:
+        return torch.frombuffer(bytearray(zlib.compress(np.array(values, dtype).tobytes())), dtype=torch.uint8)
+
+    cases = {
+        "a truncated stream": ({}, {"embed@gaps": payload["embed@gaps"][:-3]}),
+        "a stream that is not zlib": ({}, {"embed@xor": torch.arange(40, dtype=torch.uint8)}),
+        "another count": ({"count": 11}, {}),
+        "a position past the end": (
+            {"count": 1},
+            {"embed@gaps": packed([10**9], "<u8"), "embed@xor": packed([1], "<i2")},
+        ),
+        "a payload tensor of no entry": ({}, {"stray": torch.zeros(3)}),
+    }
+    for why, (entry_change, payload_change) in cases.items():
+        bad_entries = [{**e, **entry_change} if e["name"] == "embed" else e for e in entries]
+        manifest = {
+            "delta": {"base": 3, "base_checksum": held.checksum, "tensors": bad_entries},
+            "result_checksum": state_dict_checksum(new),
+        }
+        with pytest.raises(WeightsRejected):
+            held.take(update_of(4, {**payload, **payload_change}), manifest)
+        assert held.version == 3 and held.checksum == state_dict_checksum(state), why
