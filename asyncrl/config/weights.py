@@ -31,7 +31,8 @@ class ZmqWeightsConfig(_WeightsBase):
         description="Send a version as what changed since the one before it (bit-exact, verified whole) to every "
         "generator that holds that one, when that is at most delta_max_ratio of the bytes: bfloat16 runs, where few "
         "elements change per step; float32 runs, where nearly all do, keep sending full versions and say why "
-        "(weights/full_reason). Direct fan-out only: a relay chain sends full versions.",
+        "(weights/full_reason). A relay passes a delta on to those behind it that hold its base, and makes the full "
+        "version for any other.",
     )
     delta_max_ratio: float = Field(
         0.5, gt=0, le=1, description="A delta goes only when its bytes are at most this fraction of the full version's."

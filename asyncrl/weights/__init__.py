@@ -177,15 +177,14 @@ def setup_publisher(weights, address: str | None = None, secret: str | None = No
 
         return ShmWeightPublisher(address.removeprefix("shm://"), bucket_bytes=bucket_bytes)
     if weights.type == "zmq":
-        if weights.relay:
-            from asyncrl.weights.relay_bus import RelayWeightPublisher
-
-            return RelayWeightPublisher(address or DEFAULT_ADDRESS, bucket_bytes=bucket_bytes, secret=secret)
         from asyncrl.weights.delta import DeltaPolicy
-        from asyncrl.weights.zmq_bus import ZmqWeightPublisher
 
         deltas = DeltaPolicy(weights.full_every, weights.delta_max_ratio) if weights.delta else None
-        return ZmqWeightPublisher(address or DEFAULT_ADDRESS, bucket_bytes=bucket_bytes, secret=secret, deltas=deltas)
+        if weights.relay:
+            from asyncrl.weights.relay_bus import RelayWeightPublisher as cls
+        else:
+            from asyncrl.weights.zmq_bus import ZmqWeightPublisher as cls
+        return cls(address or DEFAULT_ADDRESS, bucket_bytes=bucket_bytes, secret=secret, deltas=deltas)
     if weights.type == "nccl":
         from asyncrl.weights.collective_bus import CollectiveWeightPublisher
 

@@ -49,6 +49,7 @@ from asyncrl.weights.wire import (
     Snapshot,
     WeightsRejected,
     WeightUpdate,
+    checksums,
     dtype_name,
     seal,
     snapshot,
@@ -145,6 +146,19 @@ class Deltas:
     def __init__(self, policy: DeltaPolicy, bucket_bytes: int) -> None:
         self.policy, self.bucket_bytes = policy, bucket_bytes
         self._since_full = 0  # versions since the last one sent full to everyone
+        self.base: tuple[Snapshot, str] | None = None  # the version before (its snapshot and checksum)
+
+    def seal(self, snap: Snapshot) -> tuple[list, tuple[int, list] | None]:
+        """``snap``'s full frames (saying why it is not a delta) and, when it goes as one, ``(base version,
+        the delta's frames)``; ``snap`` is the next one's base from now on (the caller keeps its buckets
+        until then: the previous base's are free once this returns)."""
+        sums = checksums(snap.entries, snap.buckets)
+        base, self.base = self.base, (snap, sums[1])
+        delta, why = self.make(*(base or (None, None)), snap, sums[1])
+        if delta is None:
+            return seal(snap, {"full_reason": why}, sums), None
+        why = f"a delta went to every subscriber that holds version {base[0].version}"
+        return seal(snap, {"full_reason": why}, sums), (base[0].version, delta)
 
     def make(self, base: Snapshot | None, base_checksum: str | None, snap: Snapshot, checksum: str):
         """``(frames, None)``: the sealed delta of ``snap`` (whose state checksum is ``checksum``) against

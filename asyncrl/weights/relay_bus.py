@@ -53,11 +53,11 @@ import time
 from typing import TYPE_CHECKING
 
 import msgpack
-import zmq
 
 from asyncrl.weights.base import log
 from asyncrl.weights.control_plane import Peer, RouterPublisher, send_nonblocking
-from asyncrl.weights.relay_fanout import Fanout, Stream
+from asyncrl.weights.delta import DeltaPolicy, Deltas
+from asyncrl.weights.relay_fanout import Fanout, attachment, stream_of
 from asyncrl.weights.wire import BucketPool, Snapshot, seal, snapshot
 
 if TYPE_CHECKING:
@@ -110,10 +110,15 @@ def chain_routes(members: list[Member]) -> list[str]:
 
 class RelayWeightPublisher(RouterPublisher[Snapshot]):
     def __init__(
-        self, address: str = "tcp://127.0.0.1:*", bucket_bytes: int = 64 << 20, secret: str | None = None
+        self,
+        address: str = "tcp://127.0.0.1:*",
+        bucket_bytes: int = 64 << 20,
+        secret: str | None = None,
+        deltas: DeltaPolicy | None = None,
     ) -> None:
         super().__init__(address, "weights-relay-publisher", sndhwm=HWM, secret=secret)
         self.bucket_bytes = min(bucket_bytes, RELAY_BUCKET_BYTES)
+        self._deltas = Deltas(deltas, self.bucket_bytes) if deltas is not None else None
         self._pool = BucketPool()
         # The sender is the socket's, not a bound method: a publisher in no reference cycle is freed,
         # with the versions it holds, as soon as its owner drops it (not at the next full collection).
@@ -146,16 +151,14 @@ class RelayWeightPublisher(RouterPublisher[Snapshot]):
         self._pool.give(snap.buckets)
 
     def _take(self, snap: Snapshot) -> None:
-        frames = seal(snap)
-        buckets = [zmq.Frame(f, copy=False, track=True) for f in frames[2:]]
-        manifest = msgpack.unpackb(frames[1])
-        head = [zmq.Frame(b"manifest"), zmq.Frame(frames[0]), zmq.Frame(frames[1])]
-        stream = Stream(snap.version, manifest, head, buckets, [None] * len(buckets))
+        # With deltas, the version before stays until its delta is made: its buckets go to the pool after.
+        frames, delta = self._deltas.seal(snap) if self._deltas is not None else (seal(snap), None)
+        stream = stream_of(frames)
         if self._released is not None:
             self._pool.give(*self._released)
-        trackers = [f.tracker for f in buckets]
+        trackers = [f.tracker for f in stream.buckets]
         self._released = (snap.buckets, lambda: all(t.done for t in trackers))
-        self._fanout.offer(stream)
+        self._fanout.offer(stream, stream_of(delta[1]) if delta is not None else None)
         self._newest_at = (snap.version, time.monotonic())
         self._stats["versions"] += 1
 
@@ -174,7 +177,7 @@ class RelayWeightPublisher(RouterPublisher[Snapshot]):
 
     def _other(self, ident: bytes, kind: bytes, body: dict) -> None:
         if kind == b"attach":
-            self._fanout.attach(ident, str(body.get("id", "?")), int(body.get("have", -1)))
+            self._fanout.attach(ident, *attachment(body))
         elif kind == b"bye":
             self._fanout.detach(ident)
         else:
@@ -186,6 +189,8 @@ class RelayWeightPublisher(RouterPublisher[Snapshot]):
     def _stopped(self) -> None:
         self._fanout = Fanout(self._fanout.send)  # the versions go now, not when the publisher does
         self._released, self._pool = None, BucketPool()
+        if self._deltas is not None:
+            self._deltas.base = None
 
     def _deliver(self) -> None:
         now = time.monotonic()

@@ -52,6 +52,26 @@ class Stream:
     def complete(self) -> bool:
         return all(b is not None for b in self.buckets)
 
+    @property
+    def base(self) -> int | None:
+        """A delta's base version (``delta``); None: a full version."""
+        delta = self.manifest.get("delta")
+        return delta.get("base") if isinstance(delta, dict) else None
+
+
+def attachment(body: dict) -> tuple[str, int, int, bool]:
+    """An attach message's (id, have, base, full): who, the newest version it holds, the one it holds as
+    tensors (a delta's base; -1: none) and whether it asks for a full version (a delta did not apply)."""
+    return str(body.get("id", "?")), int(body.get("have", -1)), int(body.get("base", -1)), bool(body.get("full"))
+
+
+def stream_of(frames: list) -> Stream:
+    """A stream of a sealed version (``wire.seal``'s frames), every bucket here: what a publisher offers."""
+    buckets = [zmq.Frame(f, copy=False, track=True) for f in frames[2:]]
+    manifest = msgpack.unpackb(frames[1])
+    head = [zmq.Frame(b"manifest"), zmq.Frame(frames[0]), zmq.Frame(frames[1])]
+    return Stream(manifest["version"], manifest, head, buckets, [None] * len(buckets))
+
 
 def manifest_message(manifest_bytes: bytes) -> list:
     return [b"manifest", WIRE_HEADER, manifest_bytes]
@@ -112,6 +132,7 @@ class Cursor:
 
     name: str
     have: int  # newest version it holds or was sent in full
+    base: int = -1  # the version it holds as tensors, which a delta applies to (-1: none)
     stream: Stream | None = None  # the version being sent to it
     next: int = -1  # next bucket to send; -1: the manifest
 
@@ -121,41 +142,57 @@ class Fanout:
 
     A downstream gets the version it was started on to the end (so each send completes however
     fast versions come), then the newest one, unless that stream failed or was abandoned upstream.
+    The newest version may be a full stream, a delta (``delta``) against the version before, or both:
+    a downstream that holds the delta's base gets the delta, any other the full stream, which
+    ``full_of(version)`` makes when there is none yet (a relay that received the delta makes it from the
+    version the delta gave it; None: not yet, asked again at the next pump).
     """
 
-    def __init__(self, send: Callable[[bytes, list], Sent]) -> None:
+    def __init__(self, send: Callable[[bytes, list], Sent], full_of: Callable[[int], Stream | None] | None = None):
         self.send = send
+        self.full_of = full_of
         self.cursors: dict[bytes, Cursor] = {}
-        self.current: Stream | None = None  # newest version, arriving or complete
-        self.complete: Stream | None = None  # newest complete version
+        self.current: Stream | None = None  # newest full version, arriving or complete
+        self.delta: Stream | None = None  # newest version as a delta, arriving or complete
+        self.complete: Stream | None = None  # newest complete full version
         self.sends = 0
 
-    def attach(self, ident: bytes, name: str, have: int) -> None:
+    @property
+    def newest(self) -> int:
+        return max((s.version for s in (self.current, self.delta) if s is not None), default=-1)
+
+    def attach(self, ident: bytes, name: str, have: int, base: int = -1, full: bool = False) -> None:
         """A downstream attaches, or repeats its attach (every heartbeat): a known one keeps its
-        cursor (a send in progress goes on), an unknown one, new or forgotten, gets a fresh one."""
-        if ident not in self.cursors:
-            self.cursors[ident] = Cursor(name, have)
+        cursor (a send in progress goes on), an unknown one, new or forgotten, gets a fresh one. One that
+        asks for a ``full`` version (a delta did not apply there) is sent the newest again, in full."""
+        cursor = self.cursors.get(ident)
+        if cursor is None:
+            self.cursors[ident] = Cursor(name, have, base)
+        elif full and cursor.base != -1:
+            cursor.have, cursor.base, cursor.stream = have, -1, None
 
     def detach(self, ident: bytes) -> None:
         self.cursors.pop(ident, None)
 
-    def offer(self, stream: Stream) -> None:
-        """``stream`` is the newest version now (its buckets may still be arriving)."""
-        if self.current is not None and not self.current.complete:
-            self.current.failed = True  # abandoned: its downstreams restart on the new one
-        self.current = stream
-        if stream.complete:
+    def offer(self, stream: Stream | None, delta: Stream | None = None) -> None:
+        """``stream`` (full) and ``delta`` (or either) are the newest version now (buckets may still be arriving)."""
+        for old in (self.current, self.delta):
+            if old is not None and not old.complete:
+                old.failed = True  # abandoned: its downstreams restart on the new one
+        self.current, self.delta = stream, delta
+        if stream is not None and stream.complete:
             self.complete = stream
 
     def fail(self, stream: Stream) -> None:
         stream.failed = True
         if self.current is stream:
             self.current = self.complete
+        if self.delta is stream:
+            self.delta = None
 
     def lagging(self) -> bool:
-        return self.current is not None and any(
-            c.have < self.current.version or c.stream is not None for c in self.cursors.values()
-        )
+        newest = self.newest
+        return newest >= 0 and any(c.have < newest or c.stream is not None for c in self.cursors.values())
 
     def pump(self) -> None:
         for ident, cursor in list(self.cursors.items()):
@@ -163,14 +200,24 @@ class Fanout:
                 log.info("weights: downstream %s unreachable, forgotten", cursor.name)
                 del self.cursors[ident]
 
+    def _next_stream(self, c: Cursor) -> Stream | None:
+        """What ``c`` is sent next: the newest version, as a delta if it holds the base; None: nothing now."""
+        newest = self.newest
+        if newest <= c.have:
+            return None
+        if self.delta is not None and self.delta.version == newest and c.base == self.delta.base:
+            return self.delta
+        if self.current is not None and self.current.version == newest:
+            return self.current
+        return self.full_of(newest) if self.full_of is not None else None
+
     def _pump_one(self, ident: bytes, c: Cursor) -> Sent:
         if c.stream is not None and c.stream.failed:
             c.stream = None
         if c.stream is None:
-            newest = self.current
-            if newest is None or newest.version <= c.have:
+            c.stream, c.next = self._next_stream(c), -1
+            if c.stream is None:
                 return "sent"
-            c.stream, c.next = newest, -1
         s = c.stream
         while c.next < len(s.buckets):
             if c.next == -1:
@@ -183,7 +230,7 @@ class Fanout:
             if sent != "sent":
                 return sent
             c.next += 1
-        c.have, c.stream = s.version, None
+        c.have, c.base, c.stream = s.version, s.version, None
         self.sends += 1
         return "sent"
 

@@ -22,16 +22,28 @@ import zmq
 from asyncrl.weights.base import BackgroundSubscriber, Mailbox, log, log_rejection
 from asyncrl.weights.control_plane import bus_context, send_nonblocking
 from asyncrl.weights.curve import curve_keys, make_client, make_server
-from asyncrl.weights.relay_bus import HEARTBEAT_S, HWM, IDLE_MS, RETRY_MS
+from asyncrl.weights.delta import Held
+from asyncrl.weights.relay_bus import HEARTBEAT_S, HWM, IDLE_MS, RELAY_BUCKET_BYTES, RETRY_MS
 from asyncrl.weights.relay_fanout import (
     Fanout,
     Stream,
+    attachment,
     open_stream,
     relay_endpoint,
+    stream_of,
     verify_bucket,
     verify_whole,
 )
-from asyncrl.weights.wire import WeightsRejected, WeightUpdate, as_buffer, flat_tensor, tensor_views
+from asyncrl.weights.wire import (
+    WeightsRejected,
+    WeightUpdate,
+    as_buffer,
+    flat_tensor,
+    seal,
+    sent_record,
+    snapshot,
+    tensor_views,
+)
 
 
 class RelayWeightSubscriber(BackgroundSubscriber):
@@ -56,7 +68,11 @@ class RelayWeightSubscriber(BackgroundSubscriber):
         make_server(self._router, curve_keys(secret, bind))
         self._router.bind(bind)
         self.relay_address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._fanout = Fanout(functools.partial(send_nonblocking, self._router, copy=False))  # no cycle
+        # No reference cycle through the fan-out (its sender is the socket's): a closed subscriber goes at once.
+        self._fanout = Fanout(functools.partial(send_nonblocking, self._router, copy=False), self._full_of)
+        self.held = Held()  # the version returned last, as tensors: what a delta applies to
+        self.wants_full = False  # a delta did not apply: asked upstream for a full version
+        self._made: Stream | None = None  # a full stream made from ``held`` for downstreams without a delta's base
         self._last_hello = 0.0
         self._thread = threading.Thread(target=self._run, name="weights-relay-sub", daemon=True)
         self._thread.start()
@@ -92,7 +108,7 @@ class RelayWeightSubscriber(BackgroundSubscriber):
                 if now - self._last_hello >= HEARTBEAT_S:
                     self._say(self._control, b"hello", {"have": self._have, "relay": self.relay_address})
                     if self._data is not None:  # an upstream that forgot this connection serves it again
-                        self._say(self._data, b"attach", {"have": self._have})
+                        self._say(self._data, b"attach", self._attach_fields())
                     self._last_hello = now
                 poller = zmq.Poller()
                 for sock in (self._control, self._data, self._router):
@@ -120,7 +136,8 @@ class RelayWeightSubscriber(BackgroundSubscriber):
             self._data.close()
         self._control.close()
         self._router.close()
-        self._fanout, self._incoming = Fanout(self._fanout.send), None  # the versions go with the thread
+        # The versions go with the thread (and the fan-out's reference back to this subscriber).
+        self._fanout, self._incoming, self._made, self.held = Fanout(self._fanout.send), None, None, Held()
         if self.relay_address.startswith("ipc://"):
             Path(self.relay_address.removeprefix("ipc://")).unlink(missing_ok=True)
 
@@ -143,7 +160,7 @@ class RelayWeightSubscriber(BackgroundSubscriber):
         log.info("weights: %s takes versions from %s", self.subscriber_id, upstream or "the publisher")
         self.upstream = upstream
         self._data = self._dealer(upstream or self.address)
-        self._say(self._data, b"attach", {"have": self._have})
+        self._say(self._data, b"attach", self._attach_fields())
         # A version half-received from the old upstream never completes: the new one starts afresh.
         if self._incoming is not None:
             self._fanout.fail(self._incoming)
@@ -161,7 +178,7 @@ class RelayWeightSubscriber(BackgroundSubscriber):
             if kind == b"attach":
                 if ident not in self._fanout.cursors:  # not its heartbeat repeats
                     log.debug("weights: %s relays to %s", self.subscriber_id, body.get("id"))
-                self._fanout.attach(ident, str(body.get("id", "?")), int(body.get("have", -1)))
+                self._fanout.attach(ident, *attachment(body))
             elif kind == b"bye":
                 self._fanout.detach(ident)
 
@@ -190,7 +207,7 @@ class RelayWeightSubscriber(BackgroundSubscriber):
         if stream.version <= self._have:
             return  # already here (a new upstream resends what it has)
         self._incoming = stream
-        self._fanout.offer(stream)
+        self._fanout.offer(*((None, stream) if stream.base is not None else (stream,)))
         if not stream.buckets:
             self._complete(stream)
 
@@ -214,6 +231,8 @@ class RelayWeightSubscriber(BackgroundSubscriber):
         self._reject(stream.version, reason)
         self._fanout.fail(stream)
         self._incoming = None
+        if stream.base is not None:
+            self._ask_full()  # the next delta would not apply either
 
     def _complete(self, stream: Stream) -> None:
         try:
@@ -221,19 +240,50 @@ class RelayWeightSubscriber(BackgroundSubscriber):
         except WeightsRejected as exc:
             self._fail(stream, str(exc))
             return
-        self._incoming = None
-        self._have = stream.version
-        self._fanout.complete = stream
         entries = stream.manifest["tensors"]
+        nbytes = sum(e["nbytes"] for e in entries)
         update = WeightUpdate(
             version=stream.version,
             tensors=tensor_views(entries, [flat_tensor(as_buffer(f)) for f in stream.buckets]),
             checksum=stream.manifest["checksum"],
-            nbytes=sum(e["nbytes"] for e in entries),
+            nbytes=nbytes,
             received_at=time.time(),
             published_at=float(stream.manifest.get("created_at", 0.0) or 0.0),
+            sent=sent_record(stream.manifest, nbytes),
         )
+        try:
+            update = self.held.take(update, stream.manifest)  # a delta: the whole version it makes, verified
+        except WeightsRejected as exc:
+            self._fail(stream, str(exc))
+            return
+        self._incoming = None
+        self._have = stream.version
+        if stream.base is None:
+            self._fanout.complete = stream
+            if self.wants_full:
+                update.sent["asked"], self.wants_full = True, False
         self._mailbox.put(update)
+
+    def _attach_fields(self) -> dict:
+        return {"have": self._have, "base": self.held.version, "full": self.wants_full}
+
+    def _ask_full(self) -> None:
+        """A delta did not apply here: ask the upstream for the newest version in full."""
+        if not self.wants_full and self._data is not None:
+            self.wants_full = True
+            log.info("weights: %s asks for a full version (a delta did not apply)", self.subscriber_id)
+            self._say(self._data, b"attach", self._attach_fields())
+
+    def _full_of(self, version: int) -> Stream | None:
+        """For a downstream without a delta's base: ``version`` as a full stream, made once from the held
+        tensors (None until this relay holds it)."""
+        if self.held.version != version:
+            return None
+        if self._made is None or self._made.version != version:
+            reason = "a relay's downstream without the delta's base"
+            frames = seal(snapshot(version, self.held.tensors, RELAY_BUCKET_BYTES), {"full_reason": reason})
+            self._made = stream_of(frames)
+        return self._made
 
 
 def _drain(sock: zmq.Socket) -> list[list]:

@@ -27,7 +27,7 @@ import zmq
 from asyncrl.weights.base import VerifyingSubscriber, log
 from asyncrl.weights.control_plane import ControlClient, Peer, RouterPublisher
 from asyncrl.weights.delta import DeltaPolicy, Deltas
-from asyncrl.weights.wire import BucketPool, Snapshot, checksums, seal, snapshot
+from asyncrl.weights.wire import BucketPool, Snapshot, seal, snapshot
 
 if TYPE_CHECKING:
     import numpy as np
@@ -58,7 +58,6 @@ class ZmqWeightPublisher(RouterPublisher[Snapshot]):
         # With deltas: the newest version's snapshot (the next delta's base) and checksum, and its delta
         # (the frames, and the version it applies to) when it went as one.
         self._deltas = Deltas(deltas, bucket_bytes) if deltas is not None else None
-        self._base: tuple[Snapshot, str] | None = None
         self._delta: tuple[int, list] | None = None
         self._stats = {"versions": 0, "sends": 0, "deferred": 0, "delta_sends": 0, "full_sends": 0}
         self._start()
@@ -78,7 +77,7 @@ class ZmqWeightPublisher(RouterPublisher[Snapshot]):
         # a newer version replaces them and ZeroMQ has written the last send, their trackers are
         # done and the arrays go back to the pool.
         buckets = [zmq.Frame(f, copy=False, track=True) for f in frames[2:]]
-        if self._newest is not None and self._base is None:
+        if self._newest is not None and self._deltas is None:
             self._pool.give(*self._newest[2])
         trackers = [f.tracker for f in buckets]
         released = (snap.buckets, lambda: all(t.done for t in trackers))
@@ -87,24 +86,18 @@ class ZmqWeightPublisher(RouterPublisher[Snapshot]):
 
     def _seal(self, snap: Snapshot) -> list:
         """``snap``'s full frames, and with deltas, its delta against the version before (``_delta``)."""
-        self._delta = None
         if self._deltas is None:
             return seal(snap)
-        sums = checksums(snap.entries, snap.buckets)
-        checksum, base = sums[1], self._base
-        delta, why = self._deltas.make(*(base or (None, None)), snap, checksum)
-        if base is not None and self._newest is not None:
+        frames, self._delta = self._deltas.seal(snap)
+        if self._newest is not None:
             self._pool.give(*self._newest[2])  # the base's buckets: no delta needs them any more
-        if delta is not None:
-            self._delta = (base[0].version, delta)
-            why = f"a delta went to every subscriber that holds version {base[0].version}"
-        frames = seal(snap, {"full_reason": why}, sums)  # the full version says why it is not the delta
-        self._base = (snap, checksum)
         return frames
 
     def _stopped(self) -> None:
         self._newest, self._pool = None, BucketPool()  # the versions go now, not when the publisher does
-        self._base = self._delta = None
+        self._delta = None
+        if self._deltas is not None:
+            self._deltas.base = None
 
     def _hello(self, ident: bytes, peer: Peer, body: dict, joined: bool) -> None:
         if body.get("full"):  # a delta did not apply there: the newest again, in full

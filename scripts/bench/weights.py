@@ -58,6 +58,7 @@ that check every version's checksum against the trained weights (see ``weights_d
     .venv/bin/python scripts/bench/weights.py --delta [--groups 2] [--delta-steps 40] [--delta-dtype bfloat16]
     RESULT delta_bytes_ratio <mean bytes sent per version with deltas / a full version's bytes>
     RESULT delta_sync_ratio <median publish-to-applied in the last subscriber, deltas / full versions>
+    RESULT delta_vs_shm_sync_ratio <the same, zmq deltas / shm full versions (one host only)>
 
 ``--delta-link-mbit M`` (root) puts the subscribers in a network namespace behind a veth pair limited to
 M Mbit/s each way (``tc``'s token bucket), the publishers on its host end over tcp: a generator on

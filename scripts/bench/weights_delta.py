@@ -6,8 +6,10 @@ step's update to every weight is what matters here, not the loss) and each versi
 module holds the masters rounded to bfloat16 after each step). Two zmq publishers get every version, one
 with deltas (``DeltaPolicy``, as ``weights.delta`` makes it) and one without, each to its own G subscriber
 processes that apply what they get and report its checksum, which must equal the trained weights' at every
-version. Per version it prints the kind and bytes each sent and the time from ``publish`` to the last
-subscriber's applied copy; the two publishers take turns going first.
+version. On one host (no ``--delta-link-mbit``) a shared-memory publisher (``weights.type: shm``, full
+versions: its subscribers map the file it writes) serves G more, the same-host alternative to a delta. Per
+version it prints the kind and bytes the delta publisher sent and the time from ``publish`` to the last
+subscriber's applied copy on each bus; the publishers take turns going first.
 """
 
 from __future__ import annotations
@@ -52,14 +54,14 @@ def delta_main(args, harness) -> None:
 
 
 def _publish_both(args, harness, model, tokenizer, path: str, g: int, netns: str | None) -> None:
-    from asyncrl.weights import ZmqWeightPublisher, state_dict_checksum
+    from asyncrl.weights import ShmWeightPublisher, ZmqWeightPublisher, state_dict_checksum
     from asyncrl.weights.delta import DeltaPolicy
     from asyncrl.weights.ties import untied
 
     batches = sft_batches(tokenizer, "data/arith/train.jsonl", batch=8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.delta_lr, weight_decay=0.0)
     dtype = getattr(torch, args.delta_dtype)
-    labels = ("delta", "full")
+    labels = ("delta", "full") if netns else ("delta", "full", "shm")
     subs = {label: harness.Subscribers(g, [netns] * g, None) for label in labels}
     times: dict[str, list[float]] = {label: [] for label in labels}
     sent_bytes: list[int] = []
@@ -74,14 +76,17 @@ def _publish_both(args, harness, model, tokenizer, path: str, g: int, netns: str
                 "delta": ZmqWeightPublisher(where["delta"], args.bucket_mb << 20, deltas=DeltaPolicy()),
                 "full": ZmqWeightPublisher(where["full"], args.bucket_mb << 20),
             }
+            if "shm" in labels:
+                pubs["shm"] = ShmWeightPublisher(bucket_bytes=args.bucket_mb << 20)
             for label in labels:
-                subs[label].command(g, ["sub", "zmq", pubs[label].address, "structure", True, None])
+                transport = "shm" if label == "shm" else "zmq"
+                subs[label].command(g, ["sub", transport, pubs[label].address, "structure", True, None])
                 deadline = time.monotonic() + 60
-                while pubs[label].stats()["subscribers"] < g and time.monotonic() < deadline:
+                while transport == "zmq" and pubs[label].stats()["subscribers"] < g and time.monotonic() < deadline:
                     time.sleep(0.01)
             link = f", across a {args.delta_link_mbit} Mbit/s link" if netns else ""
             print(f"{path}: versions in {args.delta_dtype}, lr {args.delta_lr:g}, {g} subscribers per publisher{link}")
-            print("version   loss  kind    sent MB  changed  publish-to-applied: delta    full")
+            print(f"version   loss  kind    sent MB  changed  publish-to-applied: {'  '.join(labels)}")
             for version in range(1, args.delta_steps + 1):
                 ids, mask = next(batches)
                 loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
@@ -92,7 +97,7 @@ def _publish_both(args, harness, model, tokenizer, path: str, g: int, netns: str
                 full_bytes = sum(t.numel() * t.element_size() for t in state.values())
                 want = state_dict_checksum(state)
                 took = {}
-                for label in labels if version % 2 else labels[::-1]:
+                for label in labels[version % len(labels) :] + labels[: version % len(labels)]:
                     t0 = time.perf_counter()
                     pubs[label].publish(version, state)
                     got = subs[label].arrivals(g, version)
@@ -108,7 +113,7 @@ def _publish_both(args, harness, model, tokenizer, path: str, g: int, netns: str
                 print(
                     f"{version:>7} {loss.item():6.3f}  {sent['kind']:<5} {sent['bytes'] / 1e6:9.2f}  "
                     f"{f'{changed:.4f}' if changed is not None else sent.get('full_reason', ''):>7}"
-                    f"  {took['delta']:25.3f} {took['full']:7.3f}",
+                    f"  {' '.join(f'{took[label]:7.3f}' for label in labels):>25}",
                     flush=True,
                 )
             for pub in pubs.values():
@@ -117,6 +122,9 @@ def _publish_both(args, harness, model, tokenizer, path: str, g: int, netns: str
         for s in subs.values():
             s.close()
     ratio = statistics.mean(sent_bytes) / full_bytes
-    print(f"full version {full_bytes / 1e6:.1f} MB; {kinds}; every version bit-exact in all {2 * g} subscribers")
+    median = {label: statistics.median(times[label]) for label in labels}
+    print(f"full version {full_bytes / 1e6:.1f} MB; {kinds}; every version bit-exact in {len(labels) * g} subscribers")
     print(f"RESULT delta_bytes_ratio {ratio:.4f}")
-    print(f"RESULT delta_sync_ratio {statistics.median(times['delta']) / statistics.median(times['full']):.3f}")
+    print(f"RESULT delta_sync_ratio {median['delta'] / median['full']:.3f}")
+    if "shm" in labels:
+        print(f"RESULT delta_vs_shm_sync_ratio {median['delta'] / median['shm']:.3f}")

@@ -18,7 +18,6 @@ from asyncrl.config import ZmqWeightsConfig
 from asyncrl.weights import setup_publisher, setup_subscriber, state_dict_checksum
 from asyncrl.weights.delta import Held, delta_tensors
 from asyncrl.weights.wire import WeightsRejected, WeightUpdate
-from asyncrl.weights.zmq_bus import ZmqWeightPublisher
 
 WAIT_S = 60
 
@@ -134,9 +133,11 @@ def bf16_state() -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(256, 128, generator=g).bfloat16() for i in range(4)}
 
 
-@pytest.fixture
-def bus(tmp_path):
-    cfg = ZmqWeightsConfig(bucket_mb=1, full_every=0)
+@pytest.fixture(params=["direct", "relay"])
+def bus(tmp_path, request):
+    """A delta-sending zmq publisher, direct fan-out or a relay chain (each subscriber fed by the one
+    before it), and a factory of its subscribers."""
+    cfg = ZmqWeightsConfig(bucket_mb=1, full_every=0, relay=request.param == "relay")
     pub = setup_publisher(cfg, f"ipc://{tmp_path}/w.sock")
     subs = []
 
@@ -168,6 +169,8 @@ def test_bfloat16_versions_travel_as_deltas_and_a_late_joiner_serves_exactly_its
     got = poll_until(late, 20)
     assert got.sent["kind"] == "full" and got.checksum == state_dict_checksum(state)
     assert {n: bits(t) for n, t in got.tensors.items()} == {n: bits(t) for n, t in state.items()}
+    if hasattr(late, "relay_address"):  # relayed: the first generator made the full version from its deltas
+        assert late.upstream == first.relay_address and "relay" in got.sent["full_reason"]
     state = train(state, 21, 0.02)
     pub.publish(21, state)
     for sub in (first, late):  # from here on both hold version 20: the delta serves both
@@ -204,82 +207,34 @@ def test_float32_versions_go_full_and_say_why(bus):
     assert "more than 0.5 of the bytes" in got.sent["full_reason"]
 
 
-class CorruptingPublisher(ZmqWeightPublisher):
-    """Flips one byte of the delta of ``version``, after its checksums were made."""
+def corrupt_delta_of(pub, version: int) -> None:
+    """Flip one byte of ``version``'s delta after its checksums were made, as a bad link or disk would."""
+    seal = pub._deltas.seal
 
-    corrupt_version = 3
+    def corrupting(snap):
+        frames, delta = seal(snap)
+        if snap.version == version and delta is not None:
+            delta[1][2][7] ^= 0x40
+        return frames, delta
 
-    def _seal(self, snap):
-        frames = super()._seal(snap)
-        if snap.version == self.corrupt_version and self._delta is not None:
-            self._delta[1][2][7] ^= 0x40
-        return frames
-
-
-def test_a_corrupted_delta_is_refused_and_a_full_version_fetched(tmp_path):
-    from asyncrl.weights.delta import DeltaPolicy
-
-    pub = CorruptingPublisher(f"ipc://{tmp_path}/w.sock", bucket_bytes=1 << 20, deltas=DeltaPolicy(full_every=0))
-    sub = setup_subscriber(ZmqWeightsConfig(), pub.address, "g0")
-    try:
-        state = bf16_state()
-        for version in (1, 2):
-            state = train(state, version, 0.02)
-            pub.publish(version, state)
-            assert poll_until(sub, version).sent["kind"] == ("full" if version == 1 else "delta")
-        state = train(state, 3, 0.02)
-        pub.publish(3, state)
-        got = poll_until(sub, 3)  # the delta was refused; the full version 3 came on request
-        assert sub.rejected == 1
-        assert got.sent["kind"] == "full" and got.sent.get("asked")
-        assert got.checksum == state_dict_checksum(state)
-        state = train(state, 4, 0.02)
-        pub.publish(4, state)
-        assert poll_until(sub, 4).sent["kind"] == "delta"  # and deltas resume on top of it
-        deadline = time.monotonic() + WAIT_S  # the thread counts a send after it queued it
-        while pub.stats()["delta_sends"] < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert pub.stats()["delta_sends"] == 3 and pub.stats()["full_sends"] == 2
-    finally:
-        sub.close()
-        pub.close()
+    pub._deltas.seal = corrupting
 
 
-def test_a_malformed_packed_payload_is_refused():
-    """A payload that is not what its entry says (a truncated or foreign zlib stream, another count, a
-    position past the tensor's end) is refused before anything is applied."""
-    import zlib
-
-    import numpy as np
-
-    held, state = Held(), a_state()
-    held.take(update_of(3, state), {"full_reason": "first"})
-    new = {n: t.clone() for n, t in state.items()}
-    new["embed"].view(-1)[:10] = new["embed"].view(-1)[:10] + 1
-    payload, entries, _ = delta_tensors(state, new)
-    (embed,) = [e for e in entries if e["name"] == "embed"]
-    assert embed["kind"] == "packed" and embed["count"] == 10
-
-    def packed(values, dtype) -> torch.Tensor:
-        return torch.frombuffer(bytearray(zlib.compress(np.array(values, dtype).tobytes())), dtype=torch.uint8)
-
-    cases = {
-        "a truncated stream": ({}, {"embed@gaps": payload["embed@gaps"][:-3]}),
-        "a stream that is not zlib": ({}, {"embed@xor": torch.arange(40, dtype=torch.uint8)}),
-        "another count": ({"count": 11}, {}),
-        "a position past the end": (
-            {"count": 1},
-            {"embed@gaps": packed([10**9], "<u8"), "embed@xor": packed([1], "<i2")},
-        ),
-        "a payload tensor of no entry": ({}, {"stray": torch.zeros(3)}),
-    }
-    for why, (entry_change, payload_change) in cases.items():
-        bad_entries = [{**e, **entry_change} if e["name"] == "embed" else e for e in entries]
-        manifest = {
-            "delta": {"base": 3, "base_checksum": held.checksum, "tensors": bad_entries},
-            "result_checksum": state_dict_checksum(new),
-        }
-        with pytest.raises(WeightsRejected):
-            held.take(update_of(4, {**payload, **payload_change}), manifest)
-        assert held.version == 3 and held.checksum == state_dict_checksum(state), why
+def test_a_corrupted_delta_is_refused_and_a_full_version_fetched(bus):
+    pub, subscriber = bus
+    corrupt_delta_of(pub, 3)
+    sub = subscriber("g0")
+    state = bf16_state()
+    for version in (1, 2):
+        state = train(state, version, 0.02)
+        pub.publish(version, state)
+        assert poll_until(sub, version).sent["kind"] == ("full" if version == 1 else "delta")
+    state = train(state, 3, 0.02)
+    pub.publish(3, state)
+    got = poll_until(sub, 3)  # the delta was refused; the full version 3 came on request
+    assert sub.rejected == 1
+    assert got.sent["kind"] == "full" and got.sent.get("asked")
+    assert got.checksum == state_dict_checksum(state)
+    state = train(state, 4, 0.02)
+    pub.publish(4, state)
+    assert poll_until(sub, 4).sent["kind"] == "delta"  # and deltas resume on top of it
