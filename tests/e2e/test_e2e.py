@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from demo_launch import ROOT, demo_launch_cmd, read_metrics, status_json
+from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.vllm]
 
@@ -144,6 +145,25 @@ def test_sync_mode_never_trains_on_stale_data(tmp_path):
     # lag 0: every trained token was sampled by the learner's own version
     steps = [m for m in metrics if "learner/version" in m]
     assert all(m["learner/behaviour_logprob_mismatch_tokens"] == m["learner/tokens"] for m in steps)
+
+
+def test_bfloat16_versions_cross_the_bus_as_deltas_bit_exact(tmp_path):
+    """A bfloat16 run at a small learning rate (few elements move past a bfloat16 step): every version a
+    generator applies came as a delta, a small share of the bytes, and verified against its checksum."""
+    summary, metrics, _ = launch(
+        tmp_path, "e2e-bf16-delta", "--generators", "2", "--learners", "1", "--steps", "4",
+        "--set", "model.dtype=bfloat16", "--set", "learner.lr=1e-5", "--set", "run.eval_every=0",
+    )  # fmt: skip
+    assert summary["final_version"] == 4 and summary["exit_reason"] == "completed"
+    full_bytes = sum(t.numel() * 2 for t in load_file(ROOT / ".cache/models/demo-sort/model.safetensors").values())
+    applied = [m for m in metrics if "weights/applied_at" in m]
+    assert {m["generator/version"] for m in applied} >= {2, 3, 4}
+    for m in applied:
+        assert m["weights/delta"] == 1.0, m.get("weights/full_reason")
+        assert 0 < m["weights/changed_fraction"] < 0.5 and m["weights/sent_bytes"] < 0.3 * full_bytes
+    # the engine ran the applied version: its log-probs of the probe sit within bfloat16's gap of the learner's
+    probes = [m["weights/probe_logprob_diff"] for m in applied]
+    assert len(probes) == len(applied) and max(probes) < 0.2, probes
 
 
 def check_sync_health(metrics: list[dict], generators: int) -> None:
