@@ -238,3 +238,48 @@ def test_a_corrupted_delta_is_refused_and_a_full_version_fetched(bus):
     state = train(state, 4, 0.02)
     pub.publish(4, state)
     assert poll_until(sub, 4).sent["kind"] == "delta"  # and deltas resume on top of it
+    if "delta_sends" in pub.stats():  # the direct publisher counts its sends by kind
+        deadline = time.monotonic() + WAIT_S  # the thread counts a send after it queued it
+        while pub.stats()["delta_sends"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert pub.stats()["delta_sends"] == 3 and pub.stats()["full_sends"] == 2
+
+
+def test_a_malformed_packed_payload_is_refused():
+    """A payload that is not what its entry says (a truncated or foreign zlib stream, another count, a
+    position past the tensor's end) is refused before anything is applied."""
+    import zlib
+
+    import numpy as np
+
+    held, state = Held(), a_state()
+    held.take(update_of(3, state), {"full_reason": "first"})
+    new = {n: t.clone() for n, t in state.items()}
+    new["embed"].view(-1)[:10] = new["embed"].view(-1)[:10] + 1
+    payload, entries, _ = delta_tensors(state, new)
+    (embed,) = [e for e in entries if e["name"] == "embed"]
+    assert embed["kind"] == "packed" and embed["count"] == 10
+
+    def packed(values, dtype) -> torch.Tensor:
+        return torch.frombuffer(bytearray(zlib.compress(np.array(values, dtype).tobytes())), dtype=torch.uint8)
+
+    cases = {
+        "a truncated stream": ({}, {"embed@gaps": payload["embed@gaps"][:-3]}),
+        "a stream that is not zlib": ({}, {"embed@xor": torch.arange(40, dtype=torch.uint8)}),
+        "another count": ({"count": 11}, {}),
+        "a position past the end": (
+            {"count": 1},
+            {"embed@gaps": packed([10**9], "<u8"), "embed@xor": packed([1], "<i2")},
+        ),
+        "a payload tensor of no entry": ({}, {"stray": torch.zeros(3)}),
+    }
+    for why, (entry_change, payload_change) in cases.items():
+        bad_entries = [{**e, **entry_change} if e["name"] == "embed" else e for e in entries]
+        manifest = {
+            "delta": {"base": 3, "base_checksum": held.checksum, "tensors": bad_entries},
+            "result_checksum": state_dict_checksum(new),
+        }
+        with pytest.raises(WeightsRejected):
+            held.take(update_of(4, {**payload, **payload_change}), manifest)
+        assert held.version == 3 and held.checksum == state_dict_checksum(state), why
