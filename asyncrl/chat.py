@@ -29,8 +29,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from asyncrl.errors import UserError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Placeholder contents of the base conversation; any text the template copies verbatim will do.
 _BASE_USER, _BASE_ASSISTANT = "Hi.", "Hello."
@@ -45,6 +49,9 @@ class Completion:
     logprobs: list[float]  # (T,) behaviour log-probs of the sampled tokens
     finish_reason: str  # "stop" | "length"
     versions: list[int] = dataclasses.field(default_factory=list)  # (T,) version that produced each token
+    # rollout routing replay (a mixture of experts): the (positions, layers, top_k) uint8 experts the engine
+    # routed each position of context and turn to, but the turn's last token (generators.vllm_routes)
+    routes: np.ndarray | None = None
 
 
 class ChatTokens:

@@ -14,8 +14,11 @@ A trajectory group (one prompt, ``n`` samples) travels as one msgpack map::
                   "reward": float, "finish_reason": str,
                   "status": str,                    # "ok", or why the episode failed
                   "turns": int,                     # model turns in the episode (1: single-turn)
-                  "turn_rewards": <array float32 (T,)>}, ...],  # optional: each turn's reward at its
+                  "turn_rewards": <array float32 (T,)>,  # optional: each turn's reward at its
                                                     # last model token (they sum to "reward")
+                  "routes": <array uint8 (R, layers, top_k)>}, ...],  # optional (rollout routing replay):
+                                                    # the experts the engine routed positions 0..R-1 of
+                                                    # prompt ++ tokens to, R <= P + T
      "created_at": float,
      "images": [{"sha256": str, "path": str} | {"sha256": str, "data": bytes}, ...]}  # version 3 only
 
@@ -91,6 +94,7 @@ class Sample:
     status: str = "ok"
     turns: int = 1
     turn_rewards: np.ndarray | None = None  # (T,) float32 each turn's reward at its last model token; None: none
+    routes: np.ndarray | None = None  # (R, layers, top_k) uint8 the engine's experts per position of prompt ++ tokens
 
     def __post_init__(self) -> None:
         if self.mask is None:
@@ -159,6 +163,7 @@ def encode_group(group: TrajectoryGroup) -> bytes:
                         if s.turn_rewards is None
                         else {"turn_rewards": pack_array(s.turn_rewards.astype(np.float32))}
                     ),
+                    **({} if s.routes is None else {"routes": pack_array(s.routes.astype(np.uint8))}),
                 }
                 for s in group.samples
             ],
@@ -200,6 +205,8 @@ def decode_group(frame: bytes) -> TrajectoryGroup:
         raise ProtocolError(f"missing or mistyped field: {exc}") from None
     if not any(s.status == "ok" for s in samples):
         raise ProtocolError("group has no ok samples")
+    if any(s.routes is not None and len(s.routes) > len(group.prompt_ids) + len(s.tokens) for s in samples):
+        raise ProtocolError("routes for more positions than the prompt and sample have")
     return group
 
 
@@ -214,7 +221,10 @@ def _decode_sample(obj: dict, schema_version: int) -> Sample:
         status=str(obj["status"]) if schema_version >= 2 else "ok",
         turns=int(obj["turns"]) if schema_version >= 2 else 1,
         turn_rewards=unpack_array(obj["turn_rewards"]) if "turn_rewards" in obj else None,
+        routes=unpack_array(obj["routes"]) if "routes" in obj else None,
     )
+    if s.routes is not None and (s.routes.ndim != 3 or s.routes.dtype != np.uint8):
+        raise ProtocolError(f"routes must be (positions, layers, top_k) uint8, got {s.routes.dtype} {s.routes.shape}")
     shapes = (s.tokens.shape, s.mask.shape, s.logprobs.shape, s.versions.shape)
     if s.turn_rewards is not None:
         shapes += (s.turn_rewards.shape,)

@@ -29,13 +29,15 @@ def setup_engine(
     max_num_seqs: int,
     seed: int,
     max_model_len: int | None = None,
+    routes: bool = False,
 ) -> Engine:
     """The engine ``engine.type`` names; ``max_num_seqs`` is the most sequences one call runs at once,
-    ``max_model_len`` the context (None: the model's)."""
+    ``max_model_len`` the context (None: the model's); ``routes``: samples carry their routed experts (a
+    mixture of experts on vLLM: rollout routing replay)."""
     if engine.type == "vllm":
         from asyncrl.generators.vllm_engine import VllmEngine
 
-        return VllmEngine(engine, model, max_num_seqs, seed, max_model_len=max_model_len)
+        return VllmEngine(engine, model, max_num_seqs, seed, max_model_len=max_model_len, routes=routes)
     from asyncrl.generators.hf_engine import HfEngine
 
     return HfEngine(model, seed, max_model_len=max_model_len)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from asyncrl.errors import UserError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from asyncrl.config import GeneratorConfig, HfEngineConfig, ModelConfig, VllmEngineConfig
@@ -66,6 +67,9 @@ class StepOutput:
     finished: bool  # this sample is done (the request is once each of its samples is)
     finish_reason: str = "length"  # "stop" | "length", when finished
     index: int = 0  # which of the request's ``sampling.n`` samples (0 for a single one)
+    # when finished, with rollout routing replay: the (positions, layers, top_k) uint8 experts each position of
+    # prompt and sample was routed to (every position a forward ran: all but the last token's)
+    routes: np.ndarray | None = None
 
 
 def context_length(model_path: str, max_model_len: int | None = None) -> int:

@@ -27,6 +27,7 @@ def to_sample(ctx: Context, outcome: Outcome) -> Sample:
         status=outcome.status,
         turns=ctx.turns,
         turn_rewards=turn_rewards_array(ctx) if ctx.turn_rewards and outcome.parts else None,
+        routes=ctx.routes,
     )
 
 

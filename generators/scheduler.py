@@ -48,6 +48,8 @@ from asyncrl.chat import Completion
 from asyncrl.generators.engine import Engine, Sampling, StepOutput
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from asyncrl.generators.prompts import Prompt
     from asyncrl.generators.weight_feed import WeightFeed
     from asyncrl.weights import WeightUpdate
@@ -67,9 +69,10 @@ class _Turn:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     finished: bool = False  # the engine ended it (its request may still run other samples)
+    routes: np.ndarray | None = None  # rollout routing replay: the finished request's (StepOutput.routes)
 
     def completion(self, finish_reason: str) -> Completion:
-        return Completion(self.tokens, self.logprobs, finish_reason, self.versions)
+        return Completion(self.tokens, self.logprobs, finish_reason, self.versions, self.routes)
 
 
 class EnginePump:
@@ -213,7 +216,7 @@ class EnginePump:
             turn.logprobs += out.logprobs
             turn.versions += [self.version] * len(out.tokens)
             if out.finished:
-                turn.finished = True
+                turn.finished, turn.routes = True, out.routes
                 if not turn.done.done():
                     turn.done.set_result(turn.completion(out.finish_reason))
                 if all(t.finished for t in turns):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from asyncrl.generators.engine import Engine, Sampling, StepOutput, context_length, cpu_kv_cache_bytes
+from asyncrl.generators.vllm_routes import RoutesCapture, SampleRoutes
 from asyncrl.models.vision import is_vision_config
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ def remove_rendezvous_file() -> str | None:
     return path
 
 
-class WeightReloadExtension:
+class WeightReloadExtension(RoutesCapture):
     """Mixed into vLLM's worker class; methods run inside the worker."""
 
     def asyncrl_reload(self, tensors: dict[str, torch.Tensor]) -> bool:
@@ -126,25 +127,6 @@ class WeightReloadExtension:
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
         repack_cpu_experts(self.model_runner.get_model())
         return False
-
-    def asyncrl_routing(self, record: bool) -> dict[int, list] | None:
-        """Start (``record``) or stop recording a mixture of experts' expert choices; stopping returns them,
-        per layer: the (tokens, top_k) ids of every forward since the start, concatenated. None: no routers.
-        vLLM's routers take a capture function (``set_capture_fn``, what its own routing capture uses)."""
-        if not hasattr(self, "_asyncrl_moe"):  # the first call (at the engine's start) hooks the routers, once
-            model, self._asyncrl_routes = self.model_runner.get_model(), None
-            runners = [m for m in model.modules() if hasattr(getattr(m, "router", None), "set_capture_fn")]
-            for runner in runners:
-                runner.router.set_capture_fn(lambda ids, layer=runner.layer_id: self._asyncrl_route(layer, ids))
-            self._asyncrl_moe = bool(runners)
-        if not self._asyncrl_moe:
-            return None
-        routes, self._asyncrl_routes = self._asyncrl_routes, ({} if record else None)
-        return None if record else {layer: torch.cat(rows).tolist() for layer, rows in (routes or {}).items()}
-
-    def _asyncrl_route(self, layer: int, ids: torch.Tensor) -> None:
-        if self._asyncrl_routes is not None:
-            self._asyncrl_routes.setdefault(layer, []).append(ids.detach().cpu())
 
 
 # A linear layer with at most this many weights runs as torch's plain ``F.linear`` on its own weight once
@@ -309,9 +291,12 @@ class VllmEngine(Engine):
         seed: int,
         extension: type[WeightReloadExtension] = WeightReloadExtension,
         max_model_len: int | None = None,
+        routes: bool = False,
     ):
         """``extension`` is mixed into vLLM's worker; vLLM imports it by module and name, so it must be
-        a module-level class."""
+        a module-level class. ``routes``: a mixture of experts' finished samples carry their routed experts
+        (``StepOutput.routes``, for rollout routing replay; ``asyncrl.generators.vllm_routes``), with prefix
+        caching off (a cached prompt position has no routing of its own)."""
         if not any(isinstance(f, RotaryReloadNote) for f in logging.getLogger(RELOAD_LOGGER).filters):
             logging.getLogger(RELOAD_LOGGER).addFilter(RotaryReloadNote())
         for name, dropped in ((CACHE_LOGGER, not_a_cache_reset), (THREADS_LOGGER, not_a_skipped_thread_count)):
@@ -340,12 +325,15 @@ class VllmEngine(Engine):
             worker_extension_cls=f"{extension.__module__}.{extension.__qualname__}",
             gpu_memory_utilization=0.3,
             kv_cache_memory_bytes=kv_bytes,  # VLLM_CPU_KVCACHE_SPACE, where the environment sets it, overrides it
+            enable_prefix_caching=not routes,
         )
         self.stepped = False
         self.to_checkpoint = checkpoint_names(model.path)  # a mixture of experts' per-expert names
         self.vision = is_vision_config(self.llm.llm_engine.model_config.hf_config)
-        # a mixture of experts: its routers record the probe's expert choices (WeightReloadExtension.asyncrl_routing)
+        # a mixture of experts: its routers record the probe's expert choices (vllm_routes.RoutesCapture), and
+        # with ``routes`` every request's but the probe's
         self.moe = self.llm.collective_rpc("asyncrl_routing", args=(False,))[0] is not None
+        self.routes = SampleRoutes.start(self.llm, self.max_model_len, SCORE_ID) if routes else None
         self.rendezvous_file = remove_rendezvous_file()
         # a mixture of experts' probe records its routing: a step of its own (score); a dense model's probe is
         # one more prefill in the step after a load, not a step of its own (one step's fixed cost: ~3 ms on CPU)
@@ -372,9 +360,11 @@ class VllmEngine(Engine):
         internal = self.llm.llm_engine.add_request(request_id, request, params)
         if sampling.n > 1:
             self._parents[request_id] = internal
+        if self.routes:
+            self.routes.added(request_id, internal, sampling.n > 1)
 
     def step(self) -> list[StepOutput]:
-        outs = []
+        outs, ended = [], []
         # one RequestOutput per child with new tokens (DELTA): ``finished`` is the whole request's,
         # a child's own end is its finish_reason
         for out in self.llm.llm_engine.step():
@@ -392,6 +382,9 @@ class VllmEngine(Engine):
                 outs.append(StepOutput(out.request_id, tokens, logprobs, c.finished(), reason, c.index))
             if out.finished:
                 self._parents.pop(out.request_id, None)
+                ended.append(out.request_id)
+        if self.routes:
+            self.routes.attach(outs, ended)
         if not self.stepped:  # the first call warms up: a start-up phase (scripts/bench/startup.py)
             self.stepped = True
             log.info("first engine step done")
@@ -437,6 +430,8 @@ class VllmEngine(Engine):
 
     def abort_requests(self, request_ids: list[str]) -> None:
         engine = self.llm.llm_engine
+        if self.routes:
+            self.routes.aborted(request_ids)
         if singles := [rid for rid in request_ids if rid not in self._parents]:
             engine.abort_request(singles)
         if parents := [self._parents.pop(rid) for rid in request_ids if rid in self._parents]:

@@ -66,7 +66,9 @@ def serve(cfg: Config, ident: str, url: str, prefix: str, incarnation: int = 0) 
 
         seed = zlib.crc32(f"{cfg.run.seed}/{ident}/{incarnation}".encode())
         g = cfg.generator
-        engine = setup_engine(g.engine, cfg.model, engine_slots(cfg), seed, max_model_len=g.max_model_len)
+        engine = setup_engine(
+            g.engine, cfg.model, engine_slots(cfg), seed, g.max_model_len, routes=cfg.algorithm.routing_replay
+        )
         lower_priority(int(os.environ.pop(NICE_WHEN_UP_ENV, "0")))  # started at full priority (asyncrl.lifetime.Child)
         pin_when_up()  # ... and on any core
         address = control.wait_meta("weights_address", timeout_s=600)

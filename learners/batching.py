@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from asyncrl.learners.advantages import overlong_penalty
+from asyncrl.models.route_replay import batch_routes
 
 if TYPE_CHECKING:
     from asyncrl.config.presets import Preset
@@ -277,6 +278,10 @@ def make_batch(
     shaping = overlong_penalty(lengths, max_len, preset.overlong_buffer, preset.overlong_penalty)
     batch["rewards"] = (rewards + shaping).to(torch.float32)
     batch["group_ids"] = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
+    if given := [s.routes for g in groups for s in g.samples if s.routes is not None]:  # rollout routing replay
+        routes = [s.routes for g in groups for s in g.samples]
+        lengths = [len(g.prompt_ids) + len(s.tokens) for g in groups for s in g.samples]
+        batch["routes"] = batch_routes(routes, lengths, batch["input_ids"].shape[1], *given[0].shape[1:])
     if any(s.turn_rewards is not None for g in groups for s in g.samples):  # multi-turn episodes
         turns = torch.zeros_like(batch["response_mask"])
         rows = [(len(g.prompt_ids), s.turn_rewards) for g in groups for s in g.samples]

@@ -8,6 +8,7 @@ number of mini-batches, and the losses are normalised by global counts (``object
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from asyncrl.learners.objective import (
     step_loss,
     take_rows,
 )
+from asyncrl.models.route_replay import RouteReplay
 from asyncrl.models.routers import RouterTap, add_aux_loss, choices_of, step_router_metrics
 
 
@@ -40,10 +42,13 @@ class Models:
     critic: object | None = None  # DeepSpeed engine around learners.models.ValueModel
     reference: torch.nn.Module | None = None  # frozen initial policy, for the KL term
     routers: RouterTap | None = None  # a mixture of experts' routers (asyncrl.models.routers); None: the policy's
+    replay: RouteReplay | None = None  # their rollout routing replay (asyncrl.models.route_replay); None: ditto
 
     def __post_init__(self) -> None:
         if self.routers is None:
             self.routers = RouterTap(self.policy)
+        if self.replay is None:
+            self.replay = RouteReplay(self.policy)
 
 
 @dataclass(frozen=True)
@@ -93,29 +98,32 @@ def train_step(
     )
     tap, coef = models.routers, learner.router_aux_loss_coef
     if learner.minibatches * learner.epochs == 1:
-        with tap:
-            logprobs, values = _forward(models, batch, temperature)
-        out = step_loss(preset, step, logprobs, reducer, world, max_len, ref_logprobs=ref, values=values)
-        add_aux_loss(tap, out, coef)
-        out.metrics.update(step_router_metrics(tap, reducer))
-        _optimizer_step(models, out)
+        with replaying(models, batch):  # through backward: a checkpointed layer's recompute routes the same
+            with tap:
+                logprobs, values = _forward(models, batch, temperature)
+            out = step_loss(preset, step, logprobs, reducer, world, max_len, ref_logprobs=ref, values=values)
+            add_aux_loss(tap, out, coef)
+            out.metrics.update(step_router_metrics(tap, reducer) | replay_metrics(models.replay, batch, reducer))
+            _optimizer_step(models, out)
         return out, behaviour_mismatch(logprobs.detach(), batch)
-    with torch.no_grad(), tap:
+    with torch.no_grad(), tap, replaying(models, batch):
         prox, old_values = _forward(models, batch, temperature)
-    routing = step_router_metrics(tap, reducer)  # over the whole batch
+    routing = step_router_metrics(tap, reducer) | replay_metrics(models.replay, batch, reducer)  # the whole batch
     inputs = prepare_batch(preset, step, prox, reducer, ref_logprobs=ref, old_values=old_values)
     outs = []
     for _ in range(learner.epochs):
         for rows in minibatch_rows(step.group_ids, learner.minibatches):
-            keys = ("input_ids", "attention_mask", "response_mask", *(k for k in batch if k.startswith(IMAGE_PREFIX)))
+            images = (k for k in batch if k.startswith(IMAGE_PREFIX))
+            keys = ("input_ids", "attention_mask", "response_mask", *(["routes"] if "routes" in batch else []), *images)
             sub = {k: batch[k][rows] for k in keys}
-            with tap:
-                logprobs, values = _forward(models, sub, temperature)
-            out = minibatch_loss(
-                preset, take_rows(step, rows), take_rows(inputs, rows), logprobs, reducer, world, max_len, values
-            )
-            add_aux_loss(tap, out, coef)
-            _optimizer_step(models, out)
+            with replaying(models, sub):
+                with tap:
+                    logprobs, values = _forward(models, sub, temperature)
+                out = minibatch_loss(
+                    preset, take_rows(step, rows), take_rows(inputs, rows), logprobs, reducer, world, max_len, values
+                )
+                add_aux_loss(tap, out, coef)
+                _optimizer_step(models, out)
             outs.append(out)
     value_loss = torch.stack([o.value_loss.detach() for o in outs]).mean() if outs[0].value_loss is not None else None
     loss = torch.stack([o.policy_loss.detach() for o in outs]).mean()
@@ -127,9 +135,26 @@ def _forward(models: Models, batch: dict, temperature: float):
     """(log pi (B, T), V (B, T) or None) of the policy and critic on ``batch``'s rows; log pi without the
     full-vocabulary logits (``batching.model_logprobs``)."""
     ids, mask, scored = batch["input_ids"], batch["attention_mask"], batch.get("response_mask")
-    logprobs = model_logprobs(models.policy, ids, mask, temperature, scored, inputs=image_inputs(batch))  # 0 elsewhere
+    logprobs = model_logprobs(models.policy, ids, mask, temperature, scored, inputs=image_inputs(batch))
     values = models.critic(batch["input_ids"], batch["attention_mask"]) if models.critic is not None else None
     return logprobs, values
+
+
+def replaying(models: Models, batch: dict):
+    """The policy's routers take the engine's routes of ``batch`` (rollout routing replay), where it has them."""
+    return models.replay.using(batch["routes"].flatten(0, 1)) if "routes" in batch else contextlib.nullcontext()
+
+
+def replay_metrics(replay: RouteReplay, batch: dict, reducer: Reducer) -> dict[str, float]:
+    """With rollout routing replay, over every rank: ``learner/routing_replay_diff``, the share of the token-layers
+    replayed (the engine's routes given) where the learner's own top-k would have taken other experts (the
+    routing mismatch that replay removes), and ``learner/routing_replayed``, the share of the batch's real
+    token-layers replayed (all but each sample's last token, which no engine forward routed)."""
+    if "routes" not in batch or not replay:
+        return {}
+    real = float(batch["attention_mask"].sum()) * len(replay.routers)
+    given, differ, real = reducer.sum([float(replay.given), float(replay.differ), real])
+    return {"learner/routing_replay_diff": differ / max(given, 1.0), "learner/routing_replayed": given / max(real, 1.0)}
 
 
 def _optimizer_step(models: Models, out: StepLoss) -> None:

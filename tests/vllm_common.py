@@ -30,13 +30,16 @@ def fresh_parallel_state() -> None:
         parallel_state.destroy_distributed_environment()
 
 
-def start_engine(model_dir, max_num_seqs: int = 8, dtype: str = "float32"):
+def start_engine(model_dir, max_num_seqs: int = 8, dtype: str = "float32", routes: bool = False):
     """A real vLLM engine in this process on ``model_dir`` (the test extension, its KV cache sized as a
-    generator's, the process groups of any earlier engine dropped first)."""
+    generator's, the process groups of any earlier engine dropped first); ``routes``: rollout routing replay's
+    capture on."""
     from asyncrl.config import load_config
     from asyncrl.generators.vllm_engine import VllmEngine
 
     overrides = {"model.path": str(model_dir), "model.recipe": None, "model.dtype": dtype}
     cfg = load_config(None, {**overrides, "generator.engine.type": "vllm"})
     fresh_parallel_state()
-    return VllmEngine(cfg.generator.engine, cfg.model, max_num_seqs, seed=0, extension=PlainParamsExtension)
+    return VllmEngine(
+        cfg.generator.engine, cfg.model, max_num_seqs, seed=0, extension=PlainParamsExtension, routes=routes
+    )

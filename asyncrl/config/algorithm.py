@@ -72,6 +72,12 @@ class AlgorithmConfig(Section):
     dynamic_filtering: bool | None = Field(
         None, description="Drop groups whose rewards are all equal (DAPO); or'ed with buffer.filter_zero_variance."
     )
+    routing_replay: bool = Field(
+        False,
+        description="Rollout routing replay (R3), for a mixture of experts: the vLLM engine records the experts "
+        "each token was routed to, and the learner's forward uses them instead of its own top-k (the router's "
+        "weights still get gradient through the gates). Runs the engine without prefix caching.",
+    )
 
     _preset: Any = PrivateAttr(None)
 

@@ -56,6 +56,8 @@ class Config(Section):
             raise ValueError("buffer.type=memory works only in one process; use redis")
         if self.weights.type == "memory" and (self.run.generators > 1 or self.run.learners > 1):
             raise ValueError("weights.type=memory works only in one process; use zmq (any host) or shm (one host)")
+        if self.algorithm.routing_replay and self.generator.engine.type != "vllm":
+            raise ValueError("algorithm.routing_replay needs generator.engine.type=vllm (its routers' capture)")
         return self
 
     @property

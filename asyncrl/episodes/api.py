@@ -133,6 +133,7 @@ class Context:
         self.tokens, self.mask, self.logprobs, self.versions = [], [], [], []
         self.turns, self.finish_reason, self.turn_rewards = 0, "stop", []
         self.tool_failures, self._last_turn = collections.Counter(), []
+        self.routes = None  # the last turn's routed experts (rollout routing replay), until the sample is made
 
     def restore(self, record: dict) -> None:
         for k in self._RECORD:
@@ -177,6 +178,7 @@ class Context:
         self.turns += 1
         self.finish_reason = c.finish_reason
         self._last_turn = list(c.tokens)
+        self.routes = c.routes  # the whole context's, as this turn's request ran it (its prompt recomputed)
         text = self._chat.tok.decode(c.tokens, skip_special_tokens=True)
         end = stop_at(text, self._stop) if self._stop else None
         return ModelTurn(text[:end], list(c.tokens), c.finish_reason)  # a stop string's last token may hold more

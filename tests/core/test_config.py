@@ -47,6 +47,12 @@ def test_cross_field_rule_groups_divisible_by_learners():
         load_config(None, {"run.learners": 3, "learner.groups_per_step": 8})
 
 
+def test_routing_replay_needs_the_engine_that_captures_routes():
+    with pytest.raises(UserError, match=r"routing_replay needs generator\.engine\.type=vllm"):
+        load_config(None, {"algorithm.routing_replay": True, "generator.engine.type": "hf"})
+    assert load_config(None, {"algorithm.routing_replay": True}).algorithm.routing_replay
+
+
 def test_a_run_evaluates_when_its_generators_may_and_it_has_held_out_prompts():
     """What the engine's slots, the generators' eval points and the launcher's wait for the final eval all read."""
     assert load_config(DEMO).evaluates

@@ -6,18 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.demo.model import build_model, build_moe_model, build_tokenizer
+from asyncrl.demo.model import build_model, build_tokenizer
 from asyncrl.learners.objective import StepLoss
-from asyncrl.models.routers import RouterTap, add_aux_loss, find_routers, router_metrics, step_router_metrics
-
-
-@pytest.fixture(scope="module")
-def moe():
-    model = build_moe_model(build_tokenizer(), seed=1)
-    with torch.no_grad():
-        for router in find_routers(model):
-            router.weight.mul_(20)  # decisive routing, as a trained router's
-    return model
+from asyncrl.models.routers import RouterTap, add_aux_loss, router_metrics, step_router_metrics
 
 
 def batch(rows=3, length=10, pad=4):
