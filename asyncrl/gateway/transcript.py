@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from asyncrl.episodes.api import Context, ModelTurn
 
 FORK = "agent_fork"  # the counter a fork adds to (ctx.tool_failures: the generator's tools/... metrics)
+UNTRUSTED = "agent_untrusted_call"  # ... and a call left in the text: an undeclared tool or arguments not JSON
 JOIN = "\n"  # between the messages of one observation (tool_episode joins tool results the same way)
 # The markup of the built-in tool-call formats: cut from an answer's content once parsed into tool_calls,
 # and how a tool call the agent wrote into an assistant message is written back for the model.
@@ -120,6 +121,11 @@ def units_of(messages: list[tuple]) -> list[tuple[tuple, ...]]:
         else:
             units.append((m,))
     return units
+
+
+def trusted(call: ToolCall, tools: dict[str, Tool]) -> bool:
+    """A call to a function the request declared, with a JSON object of arguments."""
+    return call.name in tools and isinstance(call.arguments, dict) and "_unparsed" not in call.arguments
 
 
 def request_tools(specs: Any) -> dict[str, Tool]:
@@ -275,15 +281,35 @@ class Conversation:
         cuts = [i for s in stop if (i := text.find(s)) >= 0]
         if cuts:  # the request's stop strings end the text (OpenAI leaves them out); the tokens stay as sampled
             text, reason = text[: min(cuts)], "stop"
-        calls = self.parser(text, tools) if tools else []
-        content = text
+        calls, content = self._calls(text, tools) if tools else ([], text)
         if calls:
             reason = "tool_calls"
-            if self.parser_name in MARKUP:
-                content = MARKUP[self.parser_name].sub("", text).strip()
         ids = [f"call_{secrets.token_hex(8)}" for _ in calls]
         lps = ctx.logprobs[len(ctx.logprobs) - len(turn.token_ids) :]
         return Answer(turn, content or None, calls, reason, prompt_tokens, lps, ids)
+
+    def _calls(self, text: str, tools: dict[str, Tool]) -> tuple[list[ToolCall], str]:
+        """The tool calls an agent framework can trust in ``text`` (to a function the request declared, with
+        arguments that parsed as a JSON object: what the OpenAI API itself returns) and the content left: a
+        built-in format's markup of those calls cut out, any other call's left as the text the model wrote, so
+        the agent reads a plain answer (the sample's tokens are the same either way); each one left is counted."""
+        markup = MARKUP.get(self.parser_name)
+        if markup is None:  # a custom parser: its calls' markup is its own, so the content stays whole
+            parsed = self.parser(text, tools)
+            calls = [c for c in parsed if trusted(c, tools)]
+            self.ctx.tool_failures[UNTRUSTED] += len(parsed) - len(calls)
+            return calls, text
+        calls, kept, at = [], [], 0
+        for m in markup.finditer(text):
+            parsed = self.parser(m.group(0), tools)
+            if len(parsed) == 1 and trusted(parsed[0], tools):
+                calls.append(parsed[0])
+                kept.append(text[at : m.start()])
+                at = m.end()
+            else:
+                self.ctx.tool_failures[UNTRUSTED] += 1
+        content = "".join([*kept, text[at:]])
+        return calls, content.strip() if calls else content
 
     # -- text completions ---------------------------------------------------------------------------------
     async def complete(self, prompt: Any, max_tokens: int | None, stop: list[str]) -> Answer:

@@ -142,6 +142,60 @@ def test_token_identity_under_smollm2s_chat_template(smollm2):  # noqa: F811 - t
     assert smollm2.decode(agent_ctx.prompt_ids + agent_ctx.tokens).count("<|im_start|>tool\nHI\nYO<|im_end|>") == 1
 
 
+async def strict_agent(client, task):
+    """What an agent framework does with an answer: runs its tool calls, each by a name it declared with JSON
+    arguments (else it raises, as the Agents SDK's ``ModelBehaviorError``); ends on an answer without calls."""
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}
+        for n in ("upper", "lower")
+    ]
+    messages, seen = [{"role": "user", "content": task["prompt"]}], []
+    while True:
+        r = await client.chat.completions.create(model="m", messages=messages, tools=tools)
+        message = r.choices[0].message
+        seen.append((message.content, [c.function.name for c in message.tool_calls or ()], r.choices[0].finish_reason))
+        if not message.tool_calls:
+            task["seen"] = seen
+            return None
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            assert call.function.name in ("upper", "lower"), call
+            text = json.loads(call.function.arguments)["text"]
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": text.upper()})
+
+
+def test_only_calls_to_declared_tools_with_json_arguments_come_back_as_tool_calls(smollm2):  # noqa: F811
+    """The model's other calls stay in the content as it wrote them (the sample's tokens unchanged, each
+    counted as ``tools/agent_untrusted_call``): an agent framework is never handed a call it cannot run."""
+    chat, task = ChatTokens(smollm2), {"prompt": "Shout hi.", "answer": "HI"}
+    call = '<tool_call>{"name": "%s", "arguments": %s}</tool_call>'
+    turns = (
+        call % ("upper", '{"text": "hi"}') + call % ("shout", '{"text": "yo"}') + call % ("upper", "[1, 2"),
+        call % ("uper", '{"text": "hi"}'),
+    )
+    ctx = make_ctx(chat, task, scripted(chat, *turns), budget=600, max_new=200, tool_parser="hermes")
+    out = with_endpoint(lambda ep: play_agent(ep, ctx, agent=f"{__name__}:strict_agent", tool_parser="hermes"))
+    assert out.status == "ok", out.detail
+    first, last = task["seen"]
+    # the declared call with JSON arguments is a tool call, cut from the content; the undeclared one and the
+    # one whose arguments are no JSON object stay as the model wrote them
+    assert first == (call % ("shout", '{"text": "yo"}') + call % ("upper", "[1, 2"), ["upper"], "tool_calls")
+    assert last == (call % ("uper", '{"text": "hi"}'), [], "stop")  # a plain answer: the agent ends
+    assert ctx.tool_failures["agent_untrusted_call"] == 3 and ctx.turns == 2
+    model = [t for t, m in zip(ctx.tokens, ctx.mask, strict=True) if m]
+    assert model == chat.response_ids(turns[0]) + chat.response_ids(turns[1])  # the tokens as sampled
+
+
+def test_a_misspelt_tool_is_a_plain_answer_that_trains_as_a_wrong_one():
+    """The calc demo's tiny model writes ``<call>calcc 37*58</call>``: the agent gets it as text, answers with
+    it, and the episode is scored (0.0) instead of failing its group."""
+    chat, task = ChatTokens(TOK), {"prompt": "calc:37*58=", "answer": "2146"}
+    ctx = make_ctx(chat, task, scripted(chat, "<call>calcc 37*58</call>"), tool_parser="simple")
+    out = with_endpoint(lambda ep: play_agent(ep, ctx, agent="asyncrl.demo.calc_agent:play"))
+    assert out.status == "ok" and out.parts == {"reward": 0.0}
+    assert ctx.tool_failures["agent_untrusted_call"] == 1 and ctx.turns == 1
+
+
 # ----- forks ------------------------------------------------------------------------------------------
 
 
