@@ -146,6 +146,14 @@ class _AgentEpisodeBase(_EpisodeBase):
         le=65535,
         description="The endpoint's port (0: a free one, logged; a fixed one fits one generator per host).",
     )
+    on_agent_error: Literal["score", "fail"] = Field(
+        "score",
+        description="An exception the agent raised other than in reaching or being served by the endpoint (the "
+        "Agents SDK's ModelBehaviorError on a call it cannot run, arguments that are not JSON, max turns), or an "
+        "agent_command's exit status 10: 'score' counts the episode as a failed attempt (agent_error_reward) so "
+        "its group trains on it; 'fail' fails it as agent_error, like an unreachable endpoint always does.",
+    )
+    agent_error_reward: float = Field(0.0, description="The reward of an episode scored under on_agent_error=score.")
 
 
 class AgentEpisodeConfig(_AgentEpisodeBase):

@@ -10,9 +10,18 @@ standard input; it runs in its own process group, killed when the episode ends e
 generator's shutdown). Neither imports anything from asyncrl.
 
 The reward, first that exists: what the agent function returned; what the session's ``/reward`` was
-given; the run's ``data.reward`` on the last model turn's text (the final transcript's answer). An
-agent that raises or exits non-zero fails the episode as ``agent_error``; a turn that overran the
-episode's budget fails it as ``budget`` (the agent saw a 400 ``context_length_exceeded``).
+given; the run's ``data.reward`` on the last model turn's text (the final transcript's answer). A turn that
+overran the episode's budget fails it as ``budget`` (the agent saw a 400 ``context_length_exceeded``).
+
+What an agent's failure means (:func:`infrastructure`): an error in reaching or being served by the endpoint
+(the ``openai`` client's connection errors, timeouts and error statuses, an OS or HTTP error) fails the episode
+as ``agent_error``, kept out of its group as every failed episode is. Any other exception the agent raised is
+about what the model wrote (an agent framework's ``ModelBehaviorError``, arguments that are not JSON, too many
+turns): under ``episode.on_agent_error: score`` (the default) the episode is a failed attempt, rewarded
+``episode.agent_error_reward`` (0.0) and counted (``tools/agent_raised``), so its group trains on the model's
+worst outputs instead of dropping them; ``fail`` makes it ``agent_error`` too. An ``agent_command`` program says
+the same with its exit status: 0 done, :data:`GAVE_UP_EXIT` (10) the model's output made it give up, any other
+a failure of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import logging
 import os
 import shlex
 import signal
@@ -32,11 +42,15 @@ from asyncrl.errors import EpisodeFailure, UserError
 from asyncrl.gateway.server import AgentSession, Endpoint, endpoint_for
 from asyncrl.rewards.resolve import one_line
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from asyncrl.config import AgentCommandEpisodeConfig, AgentEpisodeConfig
     from asyncrl.episodes.api import Context, Episode
 
 STDERR_TAIL = 400  # characters of a failed agent program's standard error kept in its failure's detail
+GAVE_UP_EXIT = 10  # an agent program's exit status for "the model's output made me give up"
+RAISED = "agent_raised"  # the counter of episodes scored as failed attempts (the generator's tools/... metrics)
 
 
 def agent_episode(cfg: AgentEpisodeConfig | AgentCommandEpisodeConfig, endpoint: Endpoint | None = None) -> Episode:
@@ -64,9 +78,7 @@ def agent_episode(cfg: AgentEpisodeConfig | AgentCommandEpisodeConfig, endpoint:
         except EpisodeFailure:
             raise
         except Exception as exc:  # noqa: BLE001 - the agent's error is the episode's data
-            if session.failure is not None:
-                raise session.failure from exc
-            raise EpisodeFailure("agent_error", one_line(exc)) from exc
+            return agent_failed(exc, session, cfg, ctx)
         finally:
             server.close(session)
         if session.failure is not None:  # the agent went on after a failed turn: the episode still failed
@@ -80,6 +92,41 @@ def agent_episode(cfg: AgentEpisodeConfig | AgentCommandEpisodeConfig, endpoint:
         return await ctx.score(text)
 
     return episode
+
+
+class GaveUp(Exception):
+    """An agent program's exit with :data:`GAVE_UP_EXIT`: as an exception the agent raised over the model's output."""
+
+
+def infrastructure(exc: BaseException) -> bool:
+    """Whether an agent's exception is about reaching or being served by the endpoint, not the model's output."""
+    import httpx
+    import openai
+
+    return isinstance(exc, (openai.APIError, httpx.HTTPError, OSError, TimeoutError))
+
+
+def agent_failed(exc: Exception, session: AgentSession, cfg, ctx: Context) -> float:
+    """The reward of an episode whose agent raised ``exc``, or the :class:`EpisodeFailure` it is (module doc)."""
+    if session.failure is not None:  # a turn the session refused (the budget): the agent's error followed from it
+        raise session.failure from exc
+    if cfg.on_agent_error == "fail" or infrastructure(exc):
+        raise EpisodeFailure("agent_error", one_line(exc)) from exc
+    return gave_up(ctx, cfg, one_line(exc))
+
+
+def gave_up(ctx: Context, cfg: AgentEpisodeConfig | AgentCommandEpisodeConfig, detail: str) -> float:
+    """An episode the agent abandoned over the model's output: a failed attempt, counted; logged the first time
+    (a bug in the agent itself scores every episode so: its detail is the place to look)."""
+    if not _told:
+        _told.append(detail)
+        log.warning("an agent raised over the model's output; scored %s (episode.on_agent_error): %s",
+                    cfg.agent_error_reward, detail)  # fmt: skip
+    ctx.tool_failures[RAISED] += 1
+    return cfg.agent_error_reward
+
+
+_told: list[str] = []  # the first agent error of this process, once logged
 
 
 async def call_agent(fn, server: Endpoint, session: AgentSession, ctx: Context):
@@ -116,5 +163,6 @@ async def run_command(argv: list[str], session: AgentSession, ctx: Context) -> N
         raise
     if proc.returncode != 0:
         tail = err.decode(errors="replace").strip()[-STDERR_TAIL:]
-        raise EpisodeFailure("agent_error", f"{argv[0]} exited with {proc.returncode}: {tail}")
+        detail = f"{argv[0]} exited with {proc.returncode}: {tail}"
+        raise GaveUp(detail) if proc.returncode == GAVE_UP_EXIT else EpisodeFailure("agent_error", detail)
     return None

@@ -196,6 +196,47 @@ def test_a_misspelt_tool_is_a_plain_answer_that_trains_as_a_wrong_one():
     assert ctx.tool_failures["agent_untrusted_call"] == 1 and ctx.turns == 1
 
 
+class ModelBehaviorError(Exception):
+    """What the Agents SDK raises over a model's output it cannot act on (``agents.exceptions``)."""
+
+
+async def fussy_agent(client, task):
+    """Asks once, then gives up over the answer as an agent framework does."""
+    r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": task["prompt"]}])
+    raise ModelBehaviorError(f"cannot act on {r.choices[0].message.content!r}")
+
+
+async def unreachable_agent(client, task):
+    """Its client points at a port nothing listens on: the endpoint never reached."""
+    import openai
+
+    lost = openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="k", max_retries=0)
+    await lost.chat.completions.create(model="m", messages=[{"role": "user", "content": task["prompt"]}])
+
+
+@pytest.mark.parametrize(
+    ("fields", "status", "reward"),
+    [({}, "ok", 0.0), ({"agent_error_reward": -1.0}, "ok", -1.0), ({"on_agent_error": "fail"}, "agent_error", None)],
+)
+def test_an_agent_that_gives_up_over_the_models_output_scores_a_failed_attempt(fields, status, reward):
+    chat, task = ChatTokens(TOK), {"prompt": guess.PROMPT, "secret": 9}
+    ctx = make_ctx(chat, task, scripted(chat, "x"))
+    out = with_endpoint(lambda ep: play_agent(ep, ctx, agent=f"{__name__}:fussy_agent", **fields))
+    assert out.status == status and ctx.turns == 1
+    if reward is not None:  # trained as the wrong answer it was, and counted
+        assert out.reward == reward and ctx.tool_failures["agent_raised"] == 1
+    else:
+        assert "ModelBehaviorError" in out.detail and "cannot act on 'x'" in out.detail
+
+
+def test_an_agent_that_cannot_reach_the_endpoint_fails_its_episode_whatever_the_setting():
+    chat, task = ChatTokens(TOK), {"prompt": guess.PROMPT, "secret": 9}
+    ctx = make_ctx(chat, task, scripted(chat))
+    out = with_endpoint(lambda ep: play_agent(ep, ctx, agent=f"{__name__}:unreachable_agent"))
+    assert out.status == "agent_error" and "APIConnectionError" in out.detail
+    assert ctx.tool_failures["agent_raised"] == 0
+
+
 # ----- forks ------------------------------------------------------------------------------------------
 
 
@@ -288,6 +329,11 @@ def test_an_external_agent_program(tmp_path):
     ctx = make_ctx(chat, task, scripted(chat))
     out = with_endpoint(lambda ep: play_agent(ep, ctx, agent_command=f"{sys.executable} {failing}"))
     assert out.status == "agent_error" and "exited with 3: no luck" in out.detail
+    gave_up = tmp_path / "gave_up.py"  # exit 10: the model's output made it give up -> a failed attempt
+    gave_up.write_text("import sys; sys.exit(10)")
+    ctx = make_ctx(chat, task, scripted(chat))
+    out = with_endpoint(lambda ep: play_agent(ep, ctx, agent_command=[sys.executable, str(gave_up)]))
+    assert out.status == "ok" and out.reward == 0.0 and ctx.tool_failures["agent_raised"] == 1
 
 
 def test_an_agent_program_past_the_episodes_timeout_is_killed(tmp_path):
