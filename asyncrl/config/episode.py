@@ -176,12 +176,19 @@ class AgentCommandEpisodeConfig(_AgentEpisodeBase):
         "set for the episode's session and the task as JSON on its standard input; its reward is what it POSTs "
         "to $ASYNCRL_REWARD_URL, else data.reward on the last model turn."
     )
+    agent_processes: int | None = Field(
+        None,
+        ge=1,
+        description="Agent programs running at once on one generator; an episode past it waits for a slot, that "
+        "wait left out of its timeout (null: 2 per CPU core of the generator's host).",
+    )
 
     @model_validator(mode="after")
     def _not_empty(self) -> AgentCommandEpisodeConfig:
         if not (self.agent_command.split() if isinstance(self.agent_command, str) else self.agent_command):
             raise ValueError("episode.agent_command is empty")
         return self
+
 
 
 MEMBERS: dict[str, type[_EpisodeBase]] = {

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import time
 import traceback
@@ -147,6 +148,17 @@ class Context:
         waiting = now - self._engine_since if self._engine_since is not None else 0.0
         return now - since - self.engine_seconds - waiting
 
+    @contextlib.contextmanager
+    def waiting(self):
+        """Time inside is the run's, not the episode's (a turn's wait for the engine, an agent program's for a
+        slot): left out of its timeout (``own_seconds``) and counted in ``engine_seconds``."""
+        self._engine_since = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.engine_seconds += time.perf_counter() - self._engine_since
+            self._engine_since = None
+
     @property
     def chat(self) -> ChatTokens:
         return self._chat  # the run's chat rendering (an OpenAI-API agent's messages go through it too)
@@ -165,12 +177,8 @@ class Context:
         limit = min(max_new_tokens or self._max_new, self.tokens_left)
         if limit <= 0:
             raise EpisodeFailure("budget", f"no room for another turn in {self._budget} tokens")
-        self._engine_since = time.perf_counter()
-        try:
+        with self.waiting():
             c = await self._complete(self.prompt_ids + self.tokens, limit)
-        finally:
-            self.engine_seconds += time.perf_counter() - self._engine_since
-            self._engine_since = None
         self.tokens += c.tokens
         self.mask += [1] * len(c.tokens)
         self.logprobs += c.logprobs

@@ -56,7 +56,7 @@ RAISED = "agent_raised"  # the counter of episodes scored as failed attempts (th
 def agent_episode(cfg: AgentEpisodeConfig | AgentCommandEpisodeConfig, endpoint: Endpoint | None = None) -> Episode:
     """The episode that runs ``cfg.agent`` or ``cfg.agent_command`` against a session of ``endpoint``
     (None: this event loop's, started at the first episode)."""
-    fn = argv = None
+    fn = argv = slots = None
     if cfg.type == "agent":
         import openai  # noqa: F401 - imported here, not by the first episode on the generator's event loop
 
@@ -65,6 +65,7 @@ def agent_episode(cfg: AgentEpisodeConfig | AgentCommandEpisodeConfig, endpoint:
             raise UserError(f"episode.agent {cfg.agent!r} must be an `async def agent(client, task)`")
     else:
         argv = shlex.split(cfg.agent_command) if isinstance(cfg.agent_command, str) else cfg.agent_command
+        slots = asyncio.Semaphore(cfg.agent_processes or 2 * (os.cpu_count() or 1))
     parser = load_parser(cfg.tool_parser)
 
     async def episode(ctx: Context):
@@ -74,7 +75,12 @@ def agent_episode(cfg: AgentEpisodeConfig | AgentCommandEpisodeConfig, endpoint:
             if fn is not None:
                 result = await call_agent(fn, server, session, ctx)
             else:
-                result = await run_command(argv, session, ctx)
+                with ctx.waiting():  # for a slot: the run's time, not the episode's
+                    await slots.acquire()
+                try:
+                    result = await run_command(argv, session, ctx)
+                finally:
+                    slots.release()
         except EpisodeFailure:
             raise
         except Exception as exc:  # noqa: BLE001 - the agent's error is the episode's data

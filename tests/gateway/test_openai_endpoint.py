@@ -336,6 +336,39 @@ def test_an_external_agent_program(tmp_path):
     assert out.status == "ok" and out.reward == 0.0 and ctx.tool_failures["agent_raised"] == 1
 
 
+def test_agent_programs_wait_for_a_slot_and_the_wait_is_not_their_timeout(tmp_path):
+    """``episode.agent_processes: 1``: three episodes at once run their programs one after another (each sees
+    itself alone, 0.4 s each); the last one waited for the two before it, and that wait is the run's time
+    (``engine_seconds``, out of its timeout), not its own."""
+    program = tmp_path / "slot.py"
+    program.write_text(
+        textwrap.dedent(f"""
+        import os, pathlib, time
+        me = pathlib.Path({str(tmp_path)!r}) / f"running-{{os.getpid()}}"
+        me.touch()
+        alone = len(list(me.parent.glob("running-*")))
+        time.sleep(0.4)
+        me.unlink()
+        with open({str(tmp_path / "seen")!r}, "a") as f:
+            f.write(f"{{alone}}\\n")
+        """)
+    )
+    chat, task = ChatTokens(TOK), {"prompt": guess.PROMPT, "secret": 9}
+    cfg = AgentCommandEpisodeConfig(agent_command=[sys.executable, str(program)], agent_processes=1)
+
+    async def three(endpoint):
+        episode = agent_episode(cfg, endpoint)
+        ctxs = [make_ctx(chat, task, scripted(chat)) for _ in range(3)]
+        outs = await asyncio.gather(*(run_episode(episode, ctx, 60) for ctx in ctxs))
+        return outs, sorted(ctx.engine_seconds for ctx in ctxs)
+
+    outs, waited = with_endpoint(three)
+    assert [o.status for o in outs] == ["agent_error"] * 3  # no model turn: nothing for data.reward to score
+    assert all("without asking the model" in o.detail for o in outs)
+    assert (tmp_path / "seen").read_text().split() == ["1", "1", "1"]
+    assert waited[-1] >= 2 * 0.4  # behind two programs that each held the slot for 0.4 s at least
+
+
 def test_an_agent_program_past_the_episodes_timeout_is_killed(tmp_path):
     pid_file = tmp_path / "pid"
     program = tmp_path / "hang.py"
