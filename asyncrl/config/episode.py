@@ -190,7 +190,6 @@ class AgentCommandEpisodeConfig(_AgentEpisodeBase):
         return self
 
 
-
 MEMBERS: dict[str, type[_EpisodeBase]] = {
     m.model_fields["type"].default: m
     for m in (

@@ -6,9 +6,9 @@ started by the first agent episode, on loopback unless ``episode.agent_host`` sa
 session lives at ``http://host:port/sessions/<id>/v1`` with its own key (an HMAC of its id under a
 secret of this process: unguessable, and worthless for any other session):
 
-* ``POST /chat/completions`` and ``POST /completions``: one model turn through the episode's
-  ``ctx.generate`` (the same engine pump, admission, weights, budgets and timeouts as any episode), its
-  messages matched against the sample (``asyncrl.gateway.transcript``);
+* ``POST /chat/completions``, ``POST /responses`` (``asyncrl.gateway.responses``) and ``POST /completions``:
+  one model turn through the episode's ``ctx.generate`` (the same engine pump, admission, weights, budgets
+  and timeouts as any episode), its messages matched against the sample (``asyncrl.gateway.transcript``);
 * ``GET /models``; ``POST /sessions/<id>/reward`` (``{"reward": x}`` or ``{"parts": {...}}``): the
   episode's reward, for an agent program that has one.
 
@@ -44,8 +44,9 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.errors import EpisodeFailure
+from asyncrl.gateway import responses
 from asyncrl.gateway.transcript import Answer, BadRequest, Conversation, request_tools
-from asyncrl.gateway.wire import CHAT, COMPLETION, MODEL, answer_body, check_params, events, stops
+from asyncrl.gateway.wire import CHAT, COMPLETION, MODEL, answer_body, check_params, events, stops, token_logprobs
 from asyncrl.service.http import MAX_BODY, MAX_DEPTH, json_depth, read_deadline_s
 
 if TYPE_CHECKING:
@@ -55,9 +56,13 @@ log = logging.getLogger("asyncrl.agent")
 
 KEY_PREFIX = "sk-asyncrl-"
 CLIENT_TIMEOUT_S = 24 * 3600.0  # the agents' clients never give up first: the episode's own timeout governs
-# the routes: /sessions/<id>/v1/models (GET), /chat/completions, /completions, and /sessions/<id>/reward
-ROUTE = re.compile(r"/sessions/([A-Za-z0-9_-]{1,64})/(v1/models|v1/chat/completions|v1/completions|reward)")
-METHODS = {"v1/models": "GET", "v1/chat/completions": "POST", "v1/completions": "POST", "reward": "POST"}
+# the routes: /sessions/<id>/v1/models (GET), /chat/completions, /completions, /responses; /sessions/<id>/reward
+ROUTE = re.compile(
+    r"/sessions/([A-Za-z0-9_-]{1,64})/(v1/models|v1/chat/completions|v1/completions|v1/responses|reward)"
+)
+METHODS = {"v1/models": "GET", "reward": "POST"} | dict.fromkeys(
+    ("v1/chat/completions", "v1/completions", "v1/responses"), "POST"
+)
 
 
 class ApiError(Exception):
@@ -101,6 +106,7 @@ class AgentSession:
     reward: Any = None  # what POST .../reward set
     failure: EpisodeFailure | None = None  # the first failure of a turn: the episode's, once the agent ends
     running: set[asyncio.Task] = dataclasses.field(default_factory=set)
+    responses: dict[str, list[dict]] = dataclasses.field(default_factory=dict)  # /responses' id -> its conversation
 
     @property
     def reward_url(self) -> str:
@@ -234,6 +240,8 @@ class Endpoint:
                 raise bad("the body must be {'reward': number} or {'parts': {name: number}}")
             session.reward = body.get("reward", body.get("parts"))
             return Reply(200, b'{"ok": true}')
+        if op == "v1/responses":
+            return await self._respond(session, body)
         chat = op == "v1/chat/completions"
         check_params(body, CHAT if chat else COMPLETION)
         async with session.lock:
@@ -252,6 +260,28 @@ class Endpoint:
             tools = {}
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         return await session.conversation.chat(body.get("messages"), tools, limit, stops(body))
+
+    async def _respond(self, session: AgentSession, body: dict) -> Reply:
+        """``POST /responses`` (``asyncrl.gateway.responses``): its messages, one turn as a chat's, the response."""
+        responses.check(body)
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in session.responses:
+            raise bad(f"previous_response_id {str(previous)[:80]!r} is no response of this session",
+                      "previous_response_not_found", "previous_response_id")  # fmt: skip
+        messages = responses.messages_of(body, session.responses.get(previous, []))
+        tools = request_tools(responses.tools_of(body.get("tools")))
+        if body.get("tool_choice", "auto") not in ("auto", "none", None):
+            raise bad("tool_choice must be 'auto' or 'none': the model's own turn decides", "unsupported_parameter")
+        tools = {} if body.get("tool_choice") == "none" else tools
+        limit = body.get("max_output_tokens")
+        async with session.lock:
+            answer = await session.turn(session.conversation.chat(messages, tools, limit, []))
+        tok = session.conversation.chat_tokens.tok
+        full = responses.response_body(answer, body, tok, token_logprobs(answer, tok))
+        session.responses[full["id"]] = responses.conversation_after(messages, full)
+        if body.get("stream"):
+            return Reply(200, responses.events(full), "text/event-stream")
+        return Reply(200, json.dumps(full).encode())
 
     async def _complete(self, session: AgentSession, body: dict) -> Answer:
         return await session.conversation.complete(body.get("prompt"), body.get("max_tokens"), stops(body))

@@ -18,7 +18,7 @@ from episode_configs import episode_config
 
 from asyncrl.chat import ChatTokens, Completion
 from asyncrl.config import AgentCommandEpisodeConfig, AgentEpisodeConfig, CompletionEpisodeConfig
-from asyncrl.demo import calc, guess
+from asyncrl.demo import calc, calc_agent, guess
 from asyncrl.demo.model import build_tokenizer
 from asyncrl.episodes import load_episode
 from asyncrl.episodes.api import Context, env_episode, run_episode, tool_episode
@@ -107,6 +107,113 @@ def test_the_calc_agent_makes_the_ctx_episodes_tokens_with_openai_tool_calls():
     agent_out = with_endpoint(lambda ep: play_agent(ep, agent_ctx, agent="asyncrl.demo.calc_agent:play"))
     assert out.parts == agent_out.parts == {"reward": 1.0}  # the agent returned None: data.reward scored it
     assert record(agent_ctx) == record(ctx_ctx) and agent_ctx.turns == 2
+
+
+CALC_TOOL = {"type": "function", "name": "calc", "parameters": calc_agent.CALC["function"]["parameters"]}
+
+
+async def calc_responses_agent(client, task, chained: bool = False, stream: bool = False):
+    """calc_agent's round through the Responses API, as the Agents SDK speaks it by default: the tool's output as
+    a ``function_call_output`` item after the response's own output items (``chained``: after
+    ``previous_response_id`` instead)."""
+    items = [{"role": "user", "content": task["prompt"]}]
+    first = await client.responses.create(model="policy", input=items, tools=[CALC_TOOL])
+    calls = [o for o in first.output if o.type == "function_call"]
+    if not calls:
+        return None
+    result = calc_agent.calculate(json.loads(calls[0].arguments)["expression"])
+    output = {"type": "function_call_output", "call_id": calls[0].call_id, "output": result + ";"}
+    if chained:
+        request = {"input": [output], "previous_response_id": first.id}
+    else:
+        request = {"input": [*items, *(o.model_dump(exclude_none=True) for o in first.output), output]}
+    if not stream:
+        second = await client.responses.create(model="policy", tools=[CALC_TOOL], **request)
+        task["said"] = second.output_text
+        return None
+    stream = await client.responses.create(model="policy", tools=[CALC_TOOL], stream=True, **request)
+    events = [e async for e in stream]
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    task["said"] = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert task["said"] == events[-1].response.output_text
+    return None
+
+
+@pytest.mark.parametrize("how", ["items", "chained", "streamed"])
+def test_a_responses_api_agent_makes_the_ctx_episodes_tokens(how):
+    chat, task = ChatTokens(TOK), {"prompt": "calc:37*58=", "answer": "2146"}
+    turns = ("<call>calc 37*58</call>", "2146")
+    cfg = {"tools": ["asyncrl.demo.calc:calc"], "tool_parser": "simple"}
+    ctx_ctx = make_ctx(chat, task, scripted(chat, *turns), **cfg)
+    asyncio.run(run_episode(calc.episode, ctx_ctx, 60))
+    agent_ctx = make_ctx(chat, dict(task), scripted(chat, *turns), tool_parser="simple")
+    agent = f"{__name__}:calc_responses_{how}"
+    out = with_endpoint(lambda ep: play_agent(ep, agent_ctx, agent=agent))
+    assert out.status == "ok" and out.parts == {"reward": 1.0}, out.detail
+    assert record(agent_ctx) == record(ctx_ctx) and agent_ctx.turns == 2
+    assert agent_ctx.task["said"] == "2146" and agent_ctx.tool_failures["agent_fork"] == 0
+
+
+async def calc_responses_items(client, task):
+    return await calc_responses_agent(client, task)
+
+
+async def calc_responses_chained(client, task):
+    return await calc_responses_agent(client, task, chained=True)
+
+
+async def calc_responses_streamed(client, task):
+    return await calc_responses_agent(client, task, stream=True)
+
+
+@pytest.mark.parametrize("said", ["<call>calc 37*58</call>", "<call>calcc 37*58</call>"])
+def test_an_agents_sdk_agent_with_its_default_responses_model(said):
+    """The SDK's own agent loop, its defaults untouched: a right call round trips token for token with the ctx
+    version; a misspelt tool is the plain answer it is (the SDK raised ModelBehaviorError before), scored 0."""
+    pytest.importorskip("agents")
+    chat, task = ChatTokens(TOK), {"prompt": "calc:37*58=", "answer": "2146"}
+    turns = (said, "2146")
+    ctx_ctx = make_ctx(chat, task, scripted(chat, *turns), tools=["asyncrl.demo.calc:calc"], tool_parser="simple")
+    asyncio.run(run_episode(calc.episode, ctx_ctx, 60))
+    agent_ctx = make_ctx(chat, dict(task), scripted(chat, *turns), tool_parser="simple")
+    out = with_endpoint(lambda ep: play_agent(ep, agent_ctx, agent="sdk_calc_agent:play"))
+    assert out.status == "ok", out.detail
+    if "calcc" not in said:
+        assert out.parts == {"reward": 1.0} and agent_ctx.task["said"] == "2146"
+        assert record(agent_ctx) == record(ctx_ctx) and agent_ctx.turns == 2
+    else:
+        assert out.parts == {"reward": 0.0} and agent_ctx.task["said"] == said and agent_ctx.turns == 1
+        assert agent_ctx.tool_failures["agent_untrusted_call"] == 1
+
+
+async def refused_responses_agent(client, task):
+    """Each malformed Responses request gets its 400 and changes nothing; then the turn as usual."""
+    import openai
+
+    user = {"role": "user", "content": task["prompt"]}
+    bad = [
+        ({"input": [user, {"type": "computer_call", "action": {}}]}, "unsupported_content"),
+        ({"input": [user, {"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "invalid_request"),
+        ({"input": [user], "previous_response_id": "resp_none"}, "previous_response_not_found"),
+        ({"input": [user], "reasoning": {"effort": "high"}}, "unsupported_parameter"),
+        ({"input": [user], "tools": [{"type": "web_search"}]}, "unsupported_parameter"),
+        ({"input": []}, "invalid_request"),
+    ]
+    for request, code in bad:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(model="policy", **request)
+        assert refused.value.code == code, (request, refused.value)
+    r = await client.responses.create(model="policy", input=task["prompt"], include=["message.output_text.logprobs"])
+    assert r.output_text == "8" and [lp.logprob for lp in r.output[0].content[0].logprobs] == [-0.1, -0.1]
+    return None
+
+
+def test_malformed_responses_requests_are_refused_by_name_and_leave_the_sample_as_it_was():
+    chat, task = ChatTokens(TOK), {"prompt": guess.PROMPT, "secret": 8}
+    ctx = make_ctx(chat, task, scripted(chat, "8"))
+    out = with_endpoint(lambda ep: play_agent(ep, ctx, agent=f"{__name__}:refused_responses_agent"))
+    assert out.status == "ok", out.detail
+    assert ctx.tokens == chat.response_ids("8") and ctx.turns == 1
 
 
 async def upper_agent(client, task):
