@@ -101,9 +101,6 @@ class Generator:
         self.cfg, self.ident = cfg, ident
         self.engine, self.buffer, self.control = engine, buffer, control
         self.metrics = RedisSink(control, f"generator/{ident}")
-        self.lease = control.join("generator", ident)  # a member of the fleet from here on
-        self.beat: dict = {"version": 0, "pid": os.getpid()}  # the last heartbeat's fields
-        self.keeper = LeaseKeeper(lambda: control.renew("generator", ident, self.lease, **self.beat))
         self.fleet = 1  # live generators, as of the last tick (admission shares are sized by it)
         self.stopping = False  # SIGTERM: leave the run cleanly
         ep = cfg.episode
@@ -155,6 +152,12 @@ class Generator:
         self.logged_causes: set[str] = set()
         self.crashed: BaseException | None = None  # a group's or evaluation's infrastructure error
         self.pushed = False  # any group yet (logged once)
+        # a member of the fleet from here on, renewed from run(): what comes before may take its time (user code
+        # imported by load_episode: the Agents SDK took longer than a lease's life on a busy machine, and the
+        # generator lost its lease before its first tick)
+        self.lease = control.join("generator", ident)
+        self.beat: dict = {"version": 0, "pid": os.getpid()}  # the last heartbeat's fields
+        self.keeper = LeaseKeeper(lambda: control.renew("generator", ident, self.lease, **self.beat))
 
     @property
     def version(self) -> int:
