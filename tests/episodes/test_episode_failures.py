@@ -162,3 +162,17 @@ def test_an_infrastructure_error_ends_the_generator_not_an_episode(generator):
     with pytest.raises(BufferUnavailableError, match="unreachable"):
         asyncio.run(gen.run())
     assert gen.failures.last_failure is None  # no episode was failed for it
+
+
+def test_a_generator_joins_the_fleet_only_once_its_episode_code_is_loaded(generator, monkeypatch):
+    """User code slow to import (the Agents SDK took longer than a lease's life on a busy machine) runs before
+    the generator is a member: its lease starts when it can renew it."""
+    from asyncrl.generators import generator as module
+
+    order = []
+    load, join = module.load_episode, RunControl.join
+    monkeypatch.setattr(module, "load_episode", lambda ep: order.append("load") or load(ep))
+    monkeypatch.setattr(RunControl, "join", lambda self, *a, **k: order.append("join") or join(self, *a, **k))
+    gen = generator()
+    assert order == ["load", "join"]
+    assert list(gen.control.members("generator")) == ["0"]
