@@ -152,11 +152,8 @@ class Generator:
         self.logged_causes: set[str] = set()
         self.crashed: BaseException | None = None  # a group's or evaluation's infrastructure error
         self.pushed = False  # any group yet (logged once)
-        # a member of the fleet from here on, renewed from run(): what comes before may take its time (user code
-        # imported by load_episode: the Agents SDK took longer than a lease's life on a busy machine, and the
-        # generator lost its lease before its first tick)
-        self.lease = control.join("generator", ident)
-        self.beat: dict = {"version": 0, "pid": os.getpid()}  # the last heartbeat's fields
+        # a member from here, renewed from run(): set-up (user code slow to import) may outlive a lease
+        self.lease, self.beat = control.join("generator", ident), {"version": 0, "pid": os.getpid()}  # last beat's
         self.keeper = LeaseKeeper(lambda: control.renew("generator", ident, self.lease, **self.beat))
 
     @property
