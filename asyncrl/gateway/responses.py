@@ -17,7 +17,7 @@ The answer is a ``response`` object whose ``output`` is a message item with the 
 with each token's behaviour log-prob when ``include`` asks for ``message.output_text.logprobs``) and a
 ``function_call`` item per tool call; ``status`` ``incomplete`` (``max_output_tokens``) when the turn hit its
 limit. Streamed (``stream: true``), the same response as events: ``response.created``, each item added, its
-text as one delta, done, and ``response.completed``.
+text as one delta, done, and ``response.completed`` (``response.incomplete`` for an incomplete one).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def conversation_after(messages: list[dict], response: dict) -> list[dict]:
 
 def events(response: dict) -> bytes:
     """A streamed response's server-sent events: created, each output item added (a message's text as one
-    delta) and done, completed."""
+    delta) and done, completed (or incomplete)."""
     seq = iter(range(1 << 30))
     out = [{"type": "response.created", "response": response | {"status": "in_progress", "output": []}}]
     for i, item in enumerate(response["output"]):
@@ -209,7 +209,8 @@ def events(response: dict) -> bytes:
             where = {"item_id": item["id"], "output_index": i}
             out.append({"type": "response.function_call_arguments.done", **where, "arguments": item["arguments"]})
         out.append({"type": "response.output_item.done", "output_index": i, "item": item})
-    out.append({"type": "response.completed", "response": response})
+    end = "response.completed" if response["status"] == "completed" else "response.incomplete"  # as OpenAI's
+    out.append({"type": end, "response": response})
     return b"".join(
         f"event: {e['type']}\ndata: {json.dumps(e | {'sequence_number': next(seq)})}\n\n".encode() for e in out
     )
