@@ -44,6 +44,8 @@ log = logging.getLogger("asyncrl.buffer")
 
 # Outcomes decided (and acknowledged) as soon as an entry is judged, as ``Batch.counts`` keys.
 OUTCOMES_AT_ONCE = ("foreign", "dead", "stale", "filtered")
+# what the groups dropped as stale held: their samples and model tokens (the length bias of dropping them)
+STALE_SIZES = ("stale_samples", "stale_tokens")
 
 
 class StopRequested(SystemExit):
@@ -112,14 +114,14 @@ class BatchConsumer:
         self.pool: dict[str, Held] = {}  # trained, budget left, pending: replay candidates
         self.done: dict[str, Held] = {}  # trained, budget spent or stale: acknowledged at commit
         self.fresh: list[Held] = []  # judged usable, never trained (recovered or read ahead)
-        self.totals = dict.fromkeys((*OUTCOMES_AT_ONCE, "replays"), 0)
+        self.totals = dict.fromkeys((*OUTCOMES_AT_ONCE, *STALE_SIZES, "replays"), 0)
 
     # ----- taking a batch ---------------------------------------------------------------------
 
     def take(self, need: int, version: int, block_ms: int, stop: Callable[[], bool] = lambda: False) -> Batch:
         """``need`` usable groups for the step at ``version``: new ones first, then replays, then
         wait for new ones. Entries found unusable on the way are acknowledged with their outcome."""
-        counts = dict.fromkeys(OUTCOMES_AT_ONCE, 0)
+        counts = dict.fromkeys((*OUTCOMES_AT_ONCE, *STALE_SIZES), 0)
         self._retire_stale_replays(version)
         new = self._take_fresh(need, version, counts)
         while len(new) < need:  # everything already in the buffer comes before replays
@@ -162,7 +164,7 @@ class BatchConsumer:
         for held in self.fresh:
             reason = judge(held.group, version, self.rules)
             if reason is not None:
-                self._ack_unused([held.entry], reason, counts)
+                self._ack_unused([held.entry], reason, counts, [held.group])
             elif len(items) < need:
                 items.append(held)
             else:
@@ -190,6 +192,7 @@ class BatchConsumer:
         """Judge newly read entries; acknowledge the unusable ones now; return the usable ones."""
         usable: list[Held] = []
         unused: dict[str, list[Entry]] = {"stale": [], "filtered": []}
+        stale: list[TrajectoryGroup] = []
         for entry in entries:
             try:
                 group = decode_checked(entry, self.rules)
@@ -204,13 +207,18 @@ class BatchConsumer:
                 usable.append(Held(entry, group))
             else:
                 unused[reason].append(entry)
+                stale += [group] if reason == "stale" else []
         for reason, unusable in unused.items():
-            self._ack_unused(unusable, reason, counts)
+            self._ack_unused(unusable, reason, counts, stale if reason == "stale" else [])
         return usable
 
-    def _ack_unused(self, entries: list[Entry], reason: str, counts: dict[str, int]) -> None:
+    def _ack_unused(self, entries: list[Entry], reason: str, counts: dict[str, int], groups=()) -> None:
+        """Acknowledge ``entries`` as unused for ``reason``; stale ones' ``groups`` are counted by size."""
         if entries:
             counts[reason] += self.buffer.ack(entries, reason)
+        for group in groups:
+            counts["stale_samples"] += len(group.samples)
+            counts["stale_tokens"] += group.num_tokens
 
     def _adopt_orphans(self, taking: list[Held]) -> list[Entry]:
         """Entries pending for this consumer that it does not hold: a read whose reply was lost
@@ -253,7 +261,7 @@ class BatchConsumer:
     def recover(self, version: int, uses: dict[str, int]) -> dict[str, int]:
         """After a restart from the checkpoint at ``version`` whose state was ``uses``: take back
         every entry this consumer had pending and judge it again. Returns outcome counts."""
-        counts = dict.fromkeys((*OUTCOMES_AT_ONCE, "trained", "replay", "fresh"), 0)
+        counts = dict.fromkeys((*OUTCOMES_AT_ONCE, *STALE_SIZES, "trained", "replay", "fresh"), 0)
         entries = self.buffer.pending(self.consumer)
         trained = []
         for entry in entries:
@@ -272,4 +280,4 @@ class BatchConsumer:
                 counts["replay"] += 1
         if trained:
             counts["trained"] = self.buffer.ack(trained, "trained")
-        return counts
+        return {k: n for k, n in counts.items() if k not in STALE_SIZES}  # outcomes only

@@ -105,6 +105,7 @@ class EpisodeStats:
             "generator/prompts_too_long": self.prompts_too_long,
             "episodes/in_flight": in_flight,
             "episodes/done": self.episodes,
+            "episodes/model_tokens": self.tokens,  # generated: what the learners train on (learner/tokens) and drop
             "episodes/failed": sum(self.failures.values()),
             "episodes/groups_failed": self.groups_failed,
             "episodes/groups_resumed": self.groups_resumed,

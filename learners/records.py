@@ -27,6 +27,9 @@ def step_sums(groups: list[TrajectoryGroup], batch: Batch, stale: list[int], mis
         "reward_sum": sum(s.reward for s in samples),
         "samples": len(samples),
         "tokens": sum(int(s.mask.sum()) for s in samples),  # model tokens: environment ones are context
+        "turns": sum(s.turns for s in samples),
+        "stale_samples": batch.counts["stale_samples"],  # what the groups dropped as stale held
+        "stale_tokens": batch.counts["stale_tokens"],
     }
 
 
@@ -56,6 +59,12 @@ def step_record(version: int, out: StepLoss, total: dict, max_stale: float, lr: 
         **({"weights/probe_sync_broken_versions": len(b)} if (b := sync.get("broken")) else {}),
         "learner/reward_mean": total["reward_sum"] / total["samples"],
         "learner/samples": total["samples"],
+        # the lengths trained, against those dropped as stale (and generated: episodes/model_tokens): the bias
+        # of dropping stale work, which falls on the slow episodes, most often the long ones (run/stats.py)
+        "learner/tokens_per_sample": total["tokens"] / total["samples"],
+        "learner/turns_per_sample": total["turns"] / total["samples"],
+        "buffer/dropped_stale_samples": total["stale_samples"],
+        "buffer/dropped_stale_tokens": total["stale_tokens"],
         "buffer/staleness_mean": total["stale_sum"] / total["groups"],
         "buffer/staleness_max": max_stale,
         "buffer/dropped_stale": total["dropped_stale"],

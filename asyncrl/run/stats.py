@@ -95,6 +95,8 @@ class RunStats:
         self.evals: dict[int, float] = {}  # eval reward by the version evaluated
         self.eval_points: set[int] = set()  # the eval points those stand for (generators.evaluation)
         self.episodes = 0  # episodes generators finished (each report counts its own)
+        # model tokens and samples: generated (every training episode), trained, dropped as stale (length_bias)
+        self.lengths = {"generated": [0, 0], "trained": [0, 0], "dropped_stale": [0, 0]}
         self.failures: collections.Counter[str] = collections.Counter()  # failed episodes by cause
         self.tool_failures: collections.Counter[str] = collections.Counter()  # failed tool calls by cause
         self.taken_over = {"groups": 0, "turns": 0}  # resumed from generators that died (generators.journal)
@@ -217,6 +219,9 @@ class RunStats:
             self.max_staleness_seen = max(self.max_staleness_seen, staleness_max)
             self.dropped_stale += dropped
             self.samples += samples
+            self._add_lengths("trained", record.get("learner/tokens"), samples)
+            self._add_lengths("dropped_stale", record.get("buffer/dropped_stale_tokens"),
+                              record.get("buffer/dropped_stale_samples"))  # fmt: skip
             if self.last_step_at is not None and wall + self.wall_offset < self.last_step_at[0]:
                 self.wall_offset = self.last_step_at[0]  # the learners restarted; their clock did too
             point = (wall + self.wall_offset, self.samples)
@@ -233,6 +238,7 @@ class RunStats:
                 if k.startswith("episodes/failed_")
             }
             self.episodes += done
+            self._add_lengths("generated", record.get("episodes/model_tokens"), done)
             self.failures.update(causes)
             self.tool_failures.update(
                 {k.removeprefix("tools/"): int(v) for k, v in record.items() if k.startswith("tools/")}
@@ -253,6 +259,21 @@ class RunStats:
                 failed = f", {record['eval/failed']} episodes failed" if record.get("eval/failed") else ""
                 exact = f"exact {record['eval/exact_rate']:.2f}{failed}"
                 say(f"eval at version {version}{late}: reward {reward:.3f} ({exact})")
+
+    def _add_lengths(self, kind: str, tokens, samples) -> None:
+        if tokens is not None and samples is not None:  # records of an older tree have none
+            self.lengths[kind][0] += int(tokens)
+            self.lengths[kind][1] += int(samples)
+
+    @property
+    def length_bias(self) -> dict:
+        """Mean model tokens per sample generated, trained and dropped as stale, and ``trained_over_generated``:
+        1.0 when what the learners trained is as long as what the generators made; below, the shorter work
+        trained and the longer dropped (stale drops fall on slow episodes, most often long ones)."""
+        mean = {k: (t / n if n else None) for k, (t, n) in self.lengths.items()}
+        generated, trained = mean["generated"], mean["trained"]
+        ratio = trained / generated if generated and trained is not None else None
+        return {f"{k}_tokens_per_sample": v for k, v in mean.items()} | {"trained_over_generated": ratio}
 
     @property
     def samples_per_s(self) -> float | None:
@@ -292,6 +313,7 @@ class RunStats:
             "samples_per_s": self.samples_per_s,
             "samples_trained": self.samples,
             "dropped_stale": self.dropped_stale,
+            "length_bias": self.length_bias,
             "evals": {str(k): v for k, v in sorted(self.evals.items())},
             "episodes": self.episodes,
             "episodes_failed": dict(sorted(self.failures.items())),

@@ -80,6 +80,25 @@ def test_a_group_from_a_discarded_future_is_stale() -> None:
     assert buf.stats()["dropped_stale"] == 1
 
 
+def test_what_the_groups_dropped_as_stale_held_is_counted_by_size() -> None:
+    """The stale groups' samples and model tokens (the length bias of dropping them: run/stats.py), whether
+    dropped as read or once held (read ahead, judged again at a later version)."""
+    buf = MemoryBuffer()
+    c = make(buf, k=1)
+    long = group(0, rewards=(0.0, 1.0, 0.5))
+    for s in long.samples:
+        s.tokens, s.logprobs, s.versions = np.zeros(10, np.int32), np.zeros(10, np.float32), np.zeros(10, np.int32)
+        s.mask = np.ones(10, np.uint8)
+    push(buf, long, group(2), group(2))
+    batch = c.take(1, version=2, block_ms=1, stop=never_stop)
+    assert (batch.counts["stale"], batch.counts["stale_samples"], batch.counts["stale_tokens"]) == (1, 3, 30)
+    c.give_back(c.take(1, version=2, block_ms=1, stop=never_stop))  # held, unused: judged again at version 4
+    with pytest.raises(StopRequested):
+        c.take(1, version=4, block_ms=1, stop=stop_now)
+    assert c.totals["stale"] == 2
+    assert (c.totals["stale_samples"], c.totals["stale_tokens"]) == (5, 34)
+
+
 def test_trained_groups_are_acknowledged_only_at_commit() -> None:
     buf = MemoryBuffer()
     c = make(buf)

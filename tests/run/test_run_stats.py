@@ -38,3 +38,24 @@ def test_the_progress_line_shows_an_eta_from_the_recent_step_rate(tmp_path):
     assert [format_eta(s) for s in (None, 0.4, 59.6, 61, 3600 * 2 + 7 * 60 + 1)] == [
         "ETA -", "ETA 0s", "ETA 1m00s", "ETA 1m01s", "ETA 2h07m",
     ]  # fmt: skip
+
+
+def test_the_summary_compares_the_lengths_trained_with_those_generated_and_dropped(tmp_path):
+    """Generators made 16 samples of 10 model tokens on average; the learners trained the 12 of 8 and dropped
+    the 4 of 16 as stale: trained / generated 0.8, the long ones lost. A tree without the figures: None."""
+    stats = RunStats(RunConfig(), tmp_path)
+    assert stats.length_bias["trained_over_generated"] is None
+    stats._fold({"episodes/done": 16, "episodes/model_tokens": 160}, None)
+    step = {"buffer/staleness_max": 1, "buffer/staleness_mean": 0.5, "buffer/dropped_stale": 1, "learner/samples": 6,
+            "learner/wall_seconds": 1.0, "learner/tokens": 48, "buffer/dropped_stale_samples": 2,
+            "buffer/dropped_stale_tokens": 32}  # fmt: skip
+    for version in (1, 2):
+        stats._fold({**step, "learner/version": version}, None)
+    stats._fold({**step, "learner/version": 3, "buffer/dropped_stale_tokens": None}, None)  # an older learner's
+    bias = json.loads((stats.write_summary(tmp_path, "completed"), tmp_path / "summary.json")[1].read_text())
+    assert bias["length_bias"] == {
+        "generated_tokens_per_sample": 10.0,
+        "trained_tokens_per_sample": 8.0,
+        "dropped_stale_tokens_per_sample": 16.0,
+        "trained_over_generated": 0.8,
+    }

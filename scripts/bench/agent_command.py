@@ -1,0 +1,75 @@
+"""An agent program per episode (``episode.agent_command``) against the same agent in process (``episode.agent``):
+the guess demo (configs/demo-guess-agent.yaml) launched both ways, alternated, ``--rounds`` each, with the
+program scripts/agents/guess_cli.py (the synchronous ``openai`` client, its reward POSTed) and at most
+``--processes`` programs at once (``episode.agent_processes``). Prints each run's samples/s, its final eval,
+the generators' peak child processes and the host's peak 1-minute load average, and the median ratio:
+
+    .venv/bin/python scripts/bench/agent_command.py --steps 20 --rounds 2
+    RESULT command_over_inprocess_samples_per_s <x>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAM = f"{sys.executable} scripts/agents/guess_cli.py"
+
+
+def launch(out: Path, name: str, steps: int, extra: list[str]) -> dict:
+    """One run; its summary with the host's peak load average while it ran."""
+    cmd = [sys.executable, "-m", "asyncrl.cli", "launch", "--config", "configs/demo-guess-agent.yaml",
+           "--name", name, "--steps", str(steps), "--set", f"run.out_dir={out}", *extra]  # fmt: skip
+    peak, done = [0.0], threading.Event()
+
+    def watch() -> None:
+        while not done.wait(1.0):
+            peak[0] = max(peak[0], os.getloadavg()[0])
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    done.set()
+    if proc.returncode != 0:
+        sys.exit(f"{name} failed:\n{proc.stderr[-2000:]}")
+    summary = json.loads((out / name / "summary.json").read_text())
+    return summary | {"wall_s": time.monotonic() - started, "load_peak": peak[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--processes", type=int, default=None, help="episode.agent_processes (default: its own)")
+    args = parser.parse_args()
+    command = ["--set", "episode.type=agent_command", "--set", f"episode.agent_command={PROGRAM}",
+               "--set", "episode.agent=null"]  # fmt: skip
+    if args.processes is not None:
+        command += ["--set", f"episode.agent_processes={args.processes}"]
+    ways = {"inprocess": [], "command": command}
+    rates: dict[str, list[float]] = {way: [] for way in ways}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for way, extra in ways.items():
+                s = launch(Path(tmp), f"{way}-{r}", args.steps, extra)
+                rates[way].append(s["samples_per_s"])
+                children = s.get("generator_peaks", {}).get("child_processes")
+                print(f"{way} round {r}: {s['samples_per_s']:.1f} samples/s, eval {s['initial_eval_reward']} -> "
+                      f"{s['final_eval_reward']}, peak children {children}, peak load {s['load_peak']:.1f}, "
+                      f"wall {s['wall_s']:.0f}s, failed {s.get('episodes_failed')}", flush=True)  # fmt: skip
+    ratio = statistics.median(rates["command"]) / statistics.median(rates["inprocess"])
+    print(f"RESULT command_over_inprocess_samples_per_s {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
