@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+FIRST_POSITIONS = 256  # a request's routes start with room for this many positions (or its first step's)
+
 
 class RoutesCapture:
     """Mixed into vLLM's worker class (through the engine's worker extension); methods run inside the worker."""
@@ -91,11 +93,17 @@ class RoutesCapture:
             if rid.startswith(self._asyncrl_skip):
                 continue
             rows = ids[starts[i] : starts[i + 1]]
-            held = requests.get(rid)
-            if held is None:
-                shape = (self._asyncrl_max_len, len(self._asyncrl_layers), ids.shape[1])
-                held = requests[rid] = [np.zeros(shape, dtype=np.uint8), 0]
             at = int(computed[i])
+            held = requests.get(rid)
+            if held is None:  # room for what this step runs, doubled as the sequence grows (not max_len at once:
+                # 32k positions x 48 layers x 8 experts would be 12 MB a request)
+                shape = (max(FIRST_POSITIONS, at + len(rows)), len(self._asyncrl_layers), ids.shape[1])
+                held = requests[rid] = [np.zeros(shape, dtype=np.uint8), 0]
+            elif at + len(rows) > len(held[0]):
+                grown = np.zeros((min(max(2 * len(held[0]), at + len(rows)), self._asyncrl_max_len),
+                                  *held[0].shape[1:]), dtype=np.uint8)  # fmt: skip
+                grown[: held[1]] = held[0][: held[1]]
+                held[0] = grown
             held[0][at : at + len(rows), layer] = rows
             held[1] = max(held[1], at + len(rows))
 

@@ -98,3 +98,18 @@ def test_an_aborted_requests_rows_are_forgotten(engine):
     held = engine.llm.collective_rpc("asyncrl_take_routes", args=([], []))  # a take drops nothing more
     assert held == [{}]
     assert engine.llm.collective_rpc("asyncrl_routes_held")[0] == 0
+
+
+def test_a_requests_rows_grow_with_it(engine, model_dir, monkeypatch):
+    """Room for 4 positions at first: the prompt's 20 and each sampled token's row still land in place."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.generators import vllm_routes
+
+    monkeypatch.setattr(vllm_routes, "FIRST_POSITIONS", 4)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = list(range(80, 100))
+    (tokens, _, routes), = run(engine, {"grown": (prompt, 1)}).values()  # fmt: skip
+    ids = prompt + tokens
+    assert routes.shape == (len(ids) - 1, 2, 2)
+    assert torch.equal(torch.from_numpy(routes).long().sort(-1).values, own_routes(model, ids[:-1]))
