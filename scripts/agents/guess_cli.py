@@ -2,28 +2,19 @@
 the synchronous ``openai`` client from ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``, the task as JSON on standard
 input, the reward POSTed to ``ASYNCRL_REWARD_URL``. Train it with ``episode.type: agent_command`` and
 ``episode.agent_command: python scripts/agents/guess_cli.py`` (scripts/bench/agent_command.py measures it
-against the in-process agent). Imports nothing from asyncrl."""
+against the in-process agent). From asyncrl it takes the game's rules alone (``asyncrl.demo.guess_agent``,
+which imports nothing: ~0.05 s of the program's start, against ~1 s for ``openai``)."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
 import httpx
 import openai
 
-MAX_TURNS, MAX_TOKENS = 4, 4
-NUMBER = re.compile(r"\s*(-?\d{1,6})\s*")
-
-
-def answer(secret: int, text: str) -> str | None:
-    match = NUMBER.fullmatch(text)
-    if match is None:
-        return "invalid;"
-    guess = int(match.group(1))
-    return None if guess == secret else ("higher;" if secret > guess else "lower;")
+from asyncrl.demo.guess_agent import MAX_TOKENS, MAX_TURNS, answer
 
 
 def main() -> None:
