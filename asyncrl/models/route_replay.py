@@ -30,7 +30,9 @@ class RouteReplay:
         self.routers = find_routers(model)
         self._layer = {id(router): i for i, router in enumerate(self.routers)}
         self._routes: Tensor | None = None
-        self.given = self.differ = 0  # token-layers replayed, and of those, where the learner's own top-k differs
+        # token-layers replayed, and of those, where the learner's own top-k differs (0-d tensors once counted)
+        self.given: Tensor | int = 0
+        self.differ: Tensor | int = 0
         for router in self.routers:
             router.register_forward_hook(self._replay, prepend=True)
 
@@ -59,8 +61,10 @@ class RouteReplay:
         known = (given >= 0).all(-1, keepdim=True)
         experts = torch.where(known, given, chosen)
         same = (experts.sort(-1).values == chosen.sort(-1).values).all(-1, keepdim=True)
-        self.given += int(known.sum())  # a checkpointed layer's recompute counts again: both, so the share holds
-        self.differ += int((known & ~same).sum())
+        # counts kept on the model's device, read once a step (replay_metrics), not synchronised per layer; a
+        # checkpointed layer's recompute counts again: both, so the share holds
+        self.given = self.given + known.sum()
+        self.differ = self.differ + (known & ~same).sum()
         gates = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
         if getattr(module, "norm_topk_prob", True):
             gates = gates / gates.sum(-1, keepdim=True)
