@@ -51,7 +51,8 @@ from asyncrl.buffers.base import live_groups
 from asyncrl.chat import ChatTokens
 from asyncrl.config import Config
 from asyncrl.control import MEMBER_TTL_S, RunControl
-from asyncrl.data import is_async, load_jsonl, prompt_for_sequence
+from asyncrl.data import is_async
+from asyncrl.data.sources import open_eval, open_train
 from asyncrl.episodes.api import Context, Outcome, run_episode, single_turn
 from asyncrl.episodes.kinds import load_episode
 from asyncrl.generators.accounting import EpisodeStats, FailureWindow, threads_and_children
@@ -105,14 +106,15 @@ class Generator:
         self.stopping = False  # SIGTERM: leave the run cleanly
         ep = cfg.episode
         self.chat = ChatTokens(tokenizer, use_template=ep.chat_template, system_prompt=ep.system_prompt)
-        self.records = load_jsonl(cfg.data.train)
-        eval_records = load_jsonl(cfg.data.eval)[: cfg.data.eval_size] if cfg.data.eval else []
-        self.prompts = Prompts(self.chat, vision_for(self.records + eval_records, cfg.model.path), cfg.data.train)
+        self.train, held_out = open_train(cfg), open_eval(cfg)
+        eval_records = held_out.head(cfg.data.eval_size) if held_out is not None else []
+        vision = vision_for(any(s.has_images for s in [*self.train.sets, held_out] if s is not None), cfg.model.path)
+        self.prompts = [Prompts(self.chat, vision, s.base_dir) for s in self.train.sets]  # per source: its images
         self.feed = WeightFeed(
             subscriber,
             self.metrics,
             self._served,
-            probe_ids=probe.probe_ids(self.chat, self.records[0], self.prompts.vision),
+            probe_ids=probe.probe_ids(self.chat, self.train.sets[0][0], vision),
             compare=lambda version, logprobs, routing=None: probe.compare(control, version, logprobs, routing),
             sampled=lambda version: probe.ids_of(control, version),
             aliases=json.loads(control.get_meta("tied") or "{}"),  # the learner's, before its first version
@@ -129,13 +131,11 @@ class Generator:
         self.peaks = {"generator/threads_peak": 0, "generator/child_processes_peak": 0}
         self.reward_fn = load_reward(cfg.data.reward, ep.reward_timeout_s)
         self.eval_reward_fn = load_reward(cfg.data.eval_reward, ep.reward_timeout_s) if cfg.data.eval_reward else None
-        eval_prompts = Prompts(self.chat, self.prompts.vision, cfg.data.eval or cfg.data.train)
+        eval_prompts = Prompts(self.chat, vision, held_out.base_dir if held_out else ".")
         fitting = [(r, p) for r in eval_records if self._fits(p := eval_prompts(r))]  # encoded once, seeded once:
         self.eval_set = [(r, p, episode_seed(cfg.run.seed, -1, i)) for i, (r, p) in enumerate(fitting)]  # ~30 us a seed
-        if len(self.eval_set) < len(eval_records):
-            log.warning(
-                "%d eval prompts do not fit the model's context: left out", len(eval_records) - len(self.eval_set)
-            )
+        if skipped := len(eval_records) - len(self.eval_set):
+            log.warning("%d eval prompts do not fit the model's context: left out", skipped)
         self.due_evals = eval_points(cfg.run.steps, cfg.run.eval_every) if cfg.evaluates else set()
         self.due_samples = set(range(0, cfg.run.steps + 1, SAMPLE_EVERY))  # training samples (samples.jsonl)
         g, stops = cfg.generator, tuple(self.chat.stop_token_ids)
@@ -215,9 +215,8 @@ class Generator:
 
     async def _run_group(self, seq: int, journal: GroupJournal) -> None:
         version = self.version
-        epoch, idx = prompt_for_sequence(seq, len(self.records), self.cfg.run.seed)
-        record = self.records[idx]
-        prompt = self.prompts(record)
+        source, epoch, idx, record = self.train.record(seq)
+        prompt = self.prompts[source](record)
         if not self._fits(prompt):  # never an engine error: skipped, counted, its slot given back
             self.stats.prompts_too_long += 1
             log.warning("a prompt leaves no room in the %d-token context: skipped", self.engine.max_model_len)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncrl.chat import ChatTokens
-from asyncrl.data import ImageRef, has_images, load_images, prompt_of, refs_of
+from asyncrl.data import ImageRef, load_images, prompt_of, refs_of
 from asyncrl.episodes.api import Context, Outcome
 from asyncrl.errors import UserError
 from asyncrl.models.vision import VisionInputs, is_vision_model
@@ -50,10 +50,10 @@ class Prompt:
 
 
 class Prompts:
-    """Records of one dataset file -> :class:`Prompt`; image paths are relative to that file's directory."""
+    """Records of one source -> :class:`Prompt`; image paths are relative to ``base_dir`` (the source's directory)."""
 
-    def __init__(self, chat: ChatTokens, vision: VisionInputs | None, dataset: str | Path):
-        self.chat, self.vision, self.base_dir = chat, vision, Path(dataset).parent
+    def __init__(self, chat: ChatTokens, vision: VisionInputs | None, base_dir: str | Path):
+        self.chat, self.vision, self.base_dir = chat, vision, Path(base_dir)
 
     def __call__(self, record: dict) -> Prompt:
         ids = self.chat.prompt_ids(prompt_of(record))
@@ -71,10 +71,10 @@ class Prompts:
         return Prompt(ids, pictures, refs, expanded, image_token)
 
 
-def vision_for(records: list[dict], model_path: str) -> VisionInputs | None:
-    """The model's processor when any record has images (None otherwise: a text run never loads it);
+def vision_for(images: bool, model_path: str) -> VisionInputs | None:
+    """The model's processor when any record has ``images`` (None otherwise: a text run never loads it);
     ``UserError`` for images given to a text-only model."""
-    if not has_images(records):
+    if not images:
         return None
     if not is_vision_model(model_path):
         raise UserError(f"the dataset's records have images, and {model_path} is not a vision-language model")

@@ -48,7 +48,7 @@ from asyncrl.buffers.consumer import Batch, BatchConsumer, ConsumerRules, StopRe
 from asyncrl.chat import ChatTokens
 from asyncrl.config import Config, load_config
 from asyncrl.control import RunControl, connect
-from asyncrl.data import load_jsonl
+from asyncrl.data.sources import PromptSet
 from asyncrl.keys import starting_field
 from asyncrl.learners.batching import make_batch
 from asyncrl.learners.deepspeed_engine import (
@@ -152,7 +152,7 @@ def set_up(
     ep = cfg.episode
     chat = ChatTokens(tokenizer, use_template=ep.chat_template, system_prompt=ep.system_prompt)  # the generators'
     images = batch_images(cfg.model.path)
-    probe_seq = probe.probe_ids(chat, load_jsonl(cfg.data.train)[0], images.vision if images else None)
+    probe_seq = probe.probe_ids(chat, PromptSet(cfg.data.train_sources[0])[0], images.vision if images else None)
     phase("loading the model into DeepSpeed")
     models = build_models(cfg.learner, cfg.model, cfg.algorithm, cfg.run.steps)
     keep = published_names(models.policy, cfg.model)

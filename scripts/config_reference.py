@@ -33,6 +33,16 @@ def _variants(annotation) -> list[type[BaseModel]]:
     return out
 
 
+def _plain(annotation) -> bool:
+    """Whether a field may also hold a plain value (a string, a number), not only sections."""
+    args = typing.get_args(annotation)
+    if not args:
+        return not (isinstance(annotation, type) and issubclass(annotation, BaseModel)) and annotation is not type(None)
+    if typing.get_origin(annotation) is list:
+        return False
+    return any(_plain(arg) for arg in args)
+
+
 def _default(field, unset: str) -> str:
     if field.is_required():  # a typed section's own key (episode.function of episode.type: function)
         return "required"
@@ -57,8 +67,10 @@ def _rows(model: type[BaseModel], prefix: str, skip: tuple[str, ...] = ()) -> li
     for name, field in sorted(model.model_fields.items(), key=lambda item: not item[1].is_required()):
         if name in skip:
             continue
-        variants = _variants(field.annotation)
-        if len(variants) == 1:
+        variants = list(dict.fromkeys(_variants(field.annotation)))
+        if len(variants) == 1:  # a section; a field that may also be a plain value (data.train: a path) first
+            if _plain(field.annotation):
+                rows.append(_row(prefix + name, _default(field, unset), field.description))
             rows += _rows(variants[0], f"{prefix}{name}.")
         elif variants:  # a typed section: its type, the fields every backend has, then each backend's own
             section = f"{prefix}{name}."

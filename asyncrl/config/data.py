@@ -1,18 +1,93 @@
 """``data``: the prompts, the held-out prompts and the reward that scores them. No defaults: a run names its
-own (the demos' configs in ``configs/`` name theirs); the core knows no task."""
+own (the demos' configs in ``configs/`` name theirs); the core knows no task.
+
+A prompt source (``data.train``, ``data.eval``) is a path, or a :class:`SourceConfig` when its columns need
+mapping; ``data.train`` may be a list of them with weights, a mixture (:mod:`asyncrl.data.sources`)."""
 
 from __future__ import annotations
 
-from pydantic import Field
+import string
+from typing import Annotated
+
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from asyncrl.config.base import Section
 
+SOURCE_FORMS = (
+    "a JSONL file, a Parquet, Arrow, JSON or CSV file, a glob of such shards, or a directory that "
+    "`datasets`' save_to_disk wrote"
+)
+
+
+class SourceConfig(Section):
+    path: str = Field(description=f"Where the records are: {SOURCE_FORMS}.")
+    columns: dict[str, str] = Field(
+        {},
+        description="Record field -> the source's column, e.g. {prompt: question, label: answer}: the record's "
+        "'prompt' is the question column. Every other column keeps its own name; the reward sees them all.",
+    )
+    template: str | None = Field(
+        None,
+        description="The prompt made from the record's fields, in Python format syntax, e.g. "
+        "'{question}\\nAnswer with the number.' (none: the 'prompt' or 'messages' field).",
+    )
+    split: str = Field("train", description="The split to read from a save_to_disk directory of several splits.")
+    weight: float = Field(
+        1.0, gt=0, description="In a data.train mixture: this source's share of the groups (data.eval: unused)."
+    )
+
+    @model_validator(mode="after")
+    def _prompt_once(self) -> SourceConfig:
+        named = [f"columns.{k}" for k in ("prompt", "messages") if k in self.columns] + (
+            ["template"] * (self.template is not None)
+        )
+        if len(named) > 1:
+            raise ValueError(
+                f"source {self.path}: the prompt comes from one of columns.prompt, columns.messages or "
+                f"template, not {' and '.join(named)}"
+            )
+        if self.template is not None:
+            try:
+                fields = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
+            except ValueError as exc:
+                raise ValueError(f"source {self.path}: template is not a format string: {exc}") from None
+            if not fields or any(f == "" or f.isdigit() for f in fields):
+                raise ValueError(f"source {self.path}: template must name record fields, e.g. '{{question}}'")
+        return self
+
+    @property
+    def template_fields(self) -> list[str]:
+        """The record fields the template names (the part before any ``.`` or ``[``)."""
+        if self.template is None:
+            return []
+        names = (f for _, f, _, _ in string.Formatter().parse(self.template) if f)
+        return list(dict.fromkeys(f.split(".")[0].split("[")[0] for f in names))
+
+
+def _form(value: object) -> str:
+    """Which form a source is written in, so that a wrong one gets the errors of its own form only."""
+    if isinstance(value, list | tuple):
+        return "mixture"
+    return "path" if isinstance(value, str) else "source"
+
+
+# a source as written: a path, or a mapping of SourceConfig's fields; data.train may be a list of them
+Source = Annotated[Annotated[str, Tag("path")] | Annotated[SourceConfig, Tag("source")], Discriminator(_form)]
+Sources = Annotated[
+    Annotated[str, Tag("path")] | Annotated[SourceConfig, Tag("source")] | Annotated[list[Source], Tag("mixture")],
+    Discriminator(_form),
+]
+
 
 class DataConfig(Section):
-    train: str | None = Field(
-        None, description="JSONL prompts, one {'prompt', ...} object per line (a run must name them)."
+    train: Sources | None = Field(
+        None,
+        description=f"The prompts: {SOURCE_FORMS} (records with a 'prompt' string or chat 'messages'); or a source "
+        "with a column mapping; or a list of sources with weights, a mixture. A run must name them.",
     )
-    eval: str | None = Field(None, description="Held-out JSONL prompts for greedy evaluation (none: no evaluation).")
+    eval: Source | None = Field(
+        None, description="Held-out prompts for greedy evaluation, as one source (none: no evaluation)."
+    )
     reward: str | None = Field(
         None,
         description="Reward function as 'module:function', a reward server's http(s) URL, or rm:<dir>, a reward "
@@ -22,3 +97,25 @@ class DataConfig(Section):
         None, description="Reward of the greedy held-out evaluation, in the same forms (none: data.reward)."
     )
     eval_size: int = Field(128, ge=1, description="Held-out prompts used per evaluation.")
+
+    @field_validator("train")
+    @classmethod
+    def _some_source(cls, value: object) -> object:
+        if isinstance(value, list) and not value:
+            raise ValueError("data.train is an empty list: name at least one source")
+        return value
+
+    @property
+    def train_sources(self) -> list[SourceConfig]:
+        """``data.train`` as sources (none named: ``[]``)."""
+        if self.train is None:
+            return []
+        return [self._source(s) for s in (self.train if isinstance(self.train, list) else [self.train])]
+
+    @property
+    def eval_source(self) -> SourceConfig | None:
+        return None if self.eval is None else self._source(self.eval)
+
+    @staticmethod
+    def _source(value: str | SourceConfig) -> SourceConfig:
+        return SourceConfig(path=value) if isinstance(value, str) else value

@@ -156,13 +156,17 @@ _TAGGED = {
     "engine": ("vllm", "hf"),
     "weights": ("zmq", "shm", "nccl", "memory"),
     "episode": tuple(MEMBERS),
+    "train": ("path", "source", "mixture"),  # a prompt source's form (asyncrl.config.data)
+    "eval": ("path", "source"),
+    "#": ("path", "source"),  # a list's item: a mixture's source (data.train.0)
 }
 
 
 def _describe(error: dict) -> str:
     loc = [str(p) for p in error["loc"]]
     # a typed section's errors carry its tag (weights.shm.dir): name the field as the user writes it
-    loc = [p for i, p in enumerate(loc) if not (i and p in _TAGGED.get(loc[i - 1], ()))]
+    parents = ["#" if p.isdigit() else p for p in ["", *loc]]  # each name's parent; the last has none
+    loc = [p for p, parent in zip(loc, parents, strict=False) if p not in _TAGGED.get(parent, ())]
     field = ".".join(loc) or "config"
     msg = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":

@@ -21,18 +21,19 @@ from asyncrl.models import smollm2
 from asyncrl.models.gguf import ensure_converted, is_gguf
 from asyncrl.run.vision_checks import ImageTokens, check_vision_run
 
+LENGTHS_CHECKED = (
+    10_000  # a large source's first records whose lengths are checked (generators skip the rest's misfits)
+)
+
 
 def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = True) -> None:
     """Everything that can be checked without building or starting anything; raises UserError.
     ``prompts``: also the prompts' lengths (seconds: it loads transformers and the tokenizer)."""
-    from asyncrl.data import load_jsonl
     from asyncrl.episodes.kinds import load_episode
     from asyncrl.rewards.resolve import load_reward
 
     check_named(cfg)
-    load_jsonl(cfg.data.train)
-    if cfg.data.eval:
-        load_jsonl(cfg.data.eval)
+    check_sources(cfg)
     for spec in filter(None, (cfg.data.reward, cfg.data.eval_reward)):
         load_reward(spec, cfg.episode.reward_timeout_s)  # imports it, or checks its URL or export
     load_episode(cfg.episode)  # the episode function or Env, its tools and tool parser
@@ -125,6 +126,21 @@ def check_images(cfg: Config) -> None:
         check_images_exist(path, load_jsonl(path))
 
 
+def check_sources(cfg: Config) -> None:
+    """The train and eval sources open, and each record will have a prompt (:mod:`asyncrl.data.sources`); images
+    only in JSONL files, whose folder their paths are relative to."""
+    for prompts in open_sources(cfg):
+        if not prompts.is_jsonl and prompts.has_images:
+            raise UserError(f"{prompts.name}: records with images are read from JSONL files only")
+
+
+def open_sources(cfg: Config) -> list:
+    """The run's sources, opened: ``data.train``'s, then ``data.eval``'s."""
+    from asyncrl.data.sources import open_eval, open_train
+
+    return [*open_train(cfg).sets, *filter(None, [open_eval(cfg)])]
+
+
 def in_background(chore: Callable[..., None], *args) -> Callable[..., None]:
     """``chore(*args)`` on a daemon thread. The returned ``wait(timeout=None)`` waits for it (at most
     ``timeout`` seconds) and, once it has ended, raises what it raised."""
@@ -157,7 +173,7 @@ def check_prompt_lengths(cfg: Config) -> None:
     if not (Path(cfg.model.path) / "config.json").is_file():
         return
     from asyncrl.chat import ChatTokens
-    from asyncrl.data import has_images, numbered_jsonl, prompt_of
+    from asyncrl.data import has_images, prompt_of
     from asyncrl.generators.engine import fits
 
     tok = plain_tokenizer(cfg.model.path)
@@ -172,30 +188,30 @@ def check_prompt_lengths(cfg: Config) -> None:
     chat = ChatTokens(tok, use_template=cfg.episode.chat_template, system_prompt=cfg.episode.system_prompt)
     context = _context_length(cfg.model.path, cfg.generator.max_model_len)
     budget = cfg.generator.max_new_tokens
-    for path in [cfg.data.train, *([cfg.data.eval] if cfg.data.eval else [])]:
-        lines = numbered_jsonl(path)
-        prompts = [chat.prompt_ids(prompt_of(rec)) for _, rec in lines]  # as the generators encode them
+    for source in open_sources(cfg):
+        records = source.head(len(source) if source.is_jsonl else LENGTHS_CHECKED)
+        prompts = [chat.prompt_ids(prompt_of(rec)) for rec in records]  # as the generators encode them
         lengths = [len(ids) for ids in prompts]
-        if has_images([rec for _, rec in lines]):  # as the learner sees them: each image's tokens in place
-            lengths = _with_images(cfg.model.path, path, lines, prompts)
-        bad = [(lineno, n) for (lineno, _), n in zip(lines, lengths, strict=True) if not fits(n, budget, context)]
+        if has_images(records):  # as the learner sees them: each image's tokens in place
+            lengths = _with_images(cfg.model.path, source, records, prompts)
+        bad = [(i, n) for i, n in enumerate(lengths) if not fits(n, budget, context)]
         if bad:
-            (lineno, n), more = bad[0], len(bad) - 1
+            (i, n), more = bad[0], len(bad) - 1
             raise UserError(
-                f"{path}:{lineno}: the prompt is {n} tokens; with generator.max_new_tokens={budget} it needs "
+                f"{source.where(i)}: the prompt is {n} tokens; with generator.max_new_tokens={budget} it needs "
                 f"{n + budget}, more than the model's context of {context} tokens"
-                + (f" ({more} more lines like it)" if more else "")
+                + (f" ({more} more records like it)" if more else "")
             )
 
 
-def _with_images(model_path: str, path: str, lines: list[tuple[int, dict]], prompts: list[list[int]]) -> list[int]:
+def _with_images(model_path: str, source, records: list[dict], prompts: list[list[int]]) -> list[int]:
     """The prompts' lengths with each record's image tokens; one error for the first record whose placeholders
     and images disagree."""
-    tokens = ImageTokens(model_path, path, [rec for _, rec in lines])
+    tokens = ImageTokens(model_path, source.name, records)
     out = []
-    for (lineno, rec), ids in zip(lines, prompts, strict=True):
+    for i, (rec, ids) in enumerate(zip(records, prompts, strict=True)):
         if wrong := tokens.placeholder_problem(ids, rec):
-            raise UserError(f"{path}:{lineno}: {wrong}")
+            raise UserError(f"{source.where(i)}: {wrong}")
         out.append(len(ids) + tokens.extra(rec))
     return out
 
@@ -327,5 +343,6 @@ def ensure_model(cfg: Config, log=print) -> Config:
 
 
 def datasets(cfg: Config) -> list[str]:
-    """The run's prompt files: ``data.train``, and ``data.eval`` where set."""
-    return [path for path in (cfg.data.train, cfg.data.eval) if path is not None]
+    """The run's JSONL prompt files (those that may name images): ``data.train``'s, and ``data.eval``'s where set."""
+    sources = [*cfg.data.train_sources, *filter(None, [cfg.data.eval_source])]
+    return [s.path for s in sources if s.path.endswith(".jsonl")]

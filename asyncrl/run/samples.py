@@ -73,19 +73,19 @@ def show_prompts(cfg: Config, n: int) -> str:
     from transformers import AutoTokenizer
 
     from asyncrl.chat import ChatTokens
-    from asyncrl.data import numbered_jsonl, prompt_for_sequence, prompt_of
+    from asyncrl.data import prompt_of
+    from asyncrl.data.sources import open_train
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     except (OSError, ValueError) as exc:
         raise UserError(f"--show-prompts needs the tokenizer at model.path {cfg.model.path}: {exc}") from None
     chat = ChatTokens(tokenizer, use_template=cfg.episode.chat_template, system_prompt=cfg.episode.system_prompt)
-    numbered = numbered_jsonl(cfg.data.train)
+    train = open_train(cfg)
     out = []
     for seq in range(n):
-        _, idx = prompt_for_sequence(seq, len(numbered), cfg.run.seed)
-        line, record = numbered[idx]
+        source, _, idx, record = train.record(seq)
         ids = chat.prompt_ids(prompt_of(record))
-        out.append(f"--- prompt {seq + 1} of {n} (line {line} of {cfg.data.train}, {len(ids)} tokens)\n")
+        out.append(f"--- prompt {seq + 1} of {n} ({train.sets[source].where(idx)}, {len(ids)} tokens)\n")
         out.append(tokenizer.decode(ids) + "\n")
     return "".join(out)

@@ -136,14 +136,15 @@ def shape_of(args: argparse.Namespace) -> None:
 
         from asyncrl.chat import ChatTokens
         from asyncrl.config import load_config
-        from asyncrl.data import load_jsonl, prompt_of
+        from asyncrl.data import prompt_of
+        from asyncrl.data.sources import PromptSet
 
         cfg = load_config(args.config)
         gen, ep = cfg.generator, cfg.episode
         chat = ChatTokens(
             AutoTokenizer.from_pretrained(cfg.model.path), use_template=ep.chat_template, system_prompt=ep.system_prompt
         )
-        lengths = sorted(len(chat.prompt_ids(prompt_of(r))) for r in load_jsonl(cfg.data.train)[:256])
+        lengths = sorted(len(chat.prompt_ids(prompt_of(r))) for r in PromptSet(cfg.data.train_sources[0]).head(256))
         defaults.update(model=cfg.model.path, per_group=gen.n_samples, response=gen.max_new_tokens)
         defaults.update(sequences=cfg.learner.groups_per_step * gen.n_samples, prompt=lengths[len(lengths) // 2])
         if args.checkpointing is None:

@@ -63,7 +63,7 @@ def test_no_product_symbol_is_used_only_by_tests():
 # asyncrl's top-level modules and asyncrl.config are the core; every other package (the three role folders
 # included) is a wing whose __init__ docstring ends with the line "May import: the core, asyncrl.X, ...".
 SOURCE_OF = {"generators": ROOT / "generators", "learners": ROOT / "learners", "buffers": ROOT / "buffers"}
-CORE_PACKAGES = {"config"}
+CORE_PACKAGES = {"config", "data"}
 TOP_LEVEL_CAP = 12  # modules beside __init__.py in asyncrl/ (issue 24: the flat drawer of 40 became packages)
 
 

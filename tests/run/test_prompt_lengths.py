@@ -42,7 +42,7 @@ def test_dry_run_names_the_first_prompt_that_does_not_fit(tmp_path, tiny_model_d
         f"data.train={train}",
         "--dry-run",
     )
-    assert_one_line_error(proc, "train.jsonl:3", f"context of {MAX_POSITIONS} tokens", "1 more lines")
+    assert_one_line_error(proc, "train.jsonl:3", f"context of {MAX_POSITIONS} tokens", "1 more records")
 
 
 def test_prompts_that_fit_pass(tmp_path, tiny_model_dir):
@@ -68,7 +68,7 @@ def test_a_launch_checks_the_prompts_beside_its_start_and_stops_with_the_same_er
     )  # fmt: skip
     assert proc.returncode == 2 and "leaked" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("asyncrl: error: ")]
-    assert len(errors) == 1 and "train.jsonl:3" in errors[0] and "1 more lines" in errors[0], proc.stderr[-3000:]
+    assert len(errors) == 1 and "train.jsonl:3" in errors[0] and "1 more records" in errors[0], proc.stderr[-3000:]
     assert f"context of {MAX_POSITIONS} tokens" in errors[0]
     assert json.loads((tmp_path / "long" / "summary.json").read_text())["exit_reason"] == "failed"
     assert live_processes(tmp_path / "long") == {}

@@ -117,7 +117,7 @@ def test_dry_run_shows_the_first_prompts_as_the_model_sees_them():
     for seq in range(3):
         _, idx = prompt_for_sequence(seq, len(records), cfg.run.seed)
         ids = chat.prompt_ids(prompt_of(records[idx]))
-        assert f"--- prompt {seq + 1} of 3 (line {idx + 1} of {cfg.data.train}, {len(ids)} tokens)" in done.stdout
+        assert f"--- prompt {seq + 1} of 3 ({cfg.data.train}:{idx + 1}, {len(ids)} tokens)" in done.stdout
         assert chat.tok.decode(ids) in done.stdout
     assert "--- prompt 4" not in done.stdout
     assert done.stdout.startswith("run:")  # the resolved config first, as a plain --dry-run prints it
