@@ -215,6 +215,7 @@ class Generator:
 
     async def _run_group(self, seq: int, journal: GroupJournal) -> None:
         version = self.version
+        journal.claim()  # an orphan if this generator dies: played again on the same prompt, never skipped
         source, epoch, idx, record = self.train.record(seq)
         prompt = self.prompts[source](record)
         if not self._fits(prompt):  # never an engine error: skipped, counted, its slot given back
@@ -271,7 +272,7 @@ class Generator:
         took it over (this one stalled past its lease). On a thread: the event loop (and the engine pump
         on it) goes on meanwhile. Once started it runs to its end, cancelled or not: a push cut off
         after the server took it would leave a group both pushed and, at shutdown, given back."""
-        seq = journal.seq if journal.kept or journal.saved else None
+        seq = journal.seq if journal.kept or journal.saved or journal.claimed else None
         if journal.lost:
             return
         if push is not None:

@@ -17,10 +17,14 @@ takes it first (``Buffer.take_orphan``) and plays it on from the journal:
 Tokens, behaviour log-probs and versions are kept as sampled: a resumed episode's later turns carry
 the versions that sample them, as a turn continued across a weight update does, and the group's
 version is its oldest model token's. Episodes whose environment lived in the dead process (plain or
-``async`` code in the generator, its worker pool) keep nothing and their groups are given back, as
-before. A journal ends with its group's push or release, in the same atomic step.
+``async`` code in the generator, its worker pool) and single-turn groups keep no state, but every group's
+claim is journaled when it starts (:meth:`GroupJournal.claim`): such a group is an orphan too and is played
+again from the beginning, on the same prompt, so a dead generator or a ``kill -9`` and ``--resume`` skips no
+prompt of the run's order (:mod:`asyncrl.data.sources`). A journal ends with its group's push or release,
+in the same atomic step.
 
-Cost: one small Redis write per turn and episode (the record so far, JSON: about 30 bytes a token).
+Cost: one small Redis write per group (its claim), and per turn and episode of a journaled environment (the
+record so far, JSON: about 30 bytes a token).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
     from asyncrl.episodes.api import Context
 
 log = logging.getLogger("asyncrl.generator")
+CLAIM = -1  # the journal part that holds a group's claim (episodes are parts 0..n-1)
 
 
 class GroupJournal:
@@ -45,9 +50,17 @@ class GroupJournal:
         self.buffer, self.seq, self.producer = buffer, seq, producer
         self.saved = {int(part): json.loads(state) for part, state in (saved or {}).items()}
         self.kept = False  # anything journaled by this generator: then outcomes are journaled too
+        self.claimed = False  # the claim is journaled: the push or release must end the journal
         self.lost = False  # another generator took the group: this one must neither push nor release it
         self.contexts: dict[int, Context] = {}
         self.resumed_turns = 0  # model turns taken from the journal instead of being played again
+
+    def claim(self) -> None:
+        """Journal the group's claim (a fresh group's only), so that it is an orphan, played again on the same
+        prompt, if this generator dies before its push or release."""
+        if not self.saved and not self.lost:
+            self.claimed = self.buffer.journal(self.seq, str(CLAIM), b"{}", self.producer)
+            self.lost = not self.claimed
 
     def attach(self, index: int, ctx: Context) -> Outcome | None:
         """Make episode ``index`` journal into this group; the outcome of an episode the journal says

@@ -14,8 +14,9 @@ when it is opened; an Arrow source by its schema (the prompt's column exists, is
 nulls) and its first row, so that opening five million rows costs what opening a thousand does.
 
 Several sources make a mixture (:class:`Mixture`): group ``seq``, the buffer's cursor, is drawn from source s
-with its weight's share, in blocks of :data:`BLOCK` groups whose order is a seeded permutation; within a
-source, an epoch-by-epoch seeded permutation, as one file's order always was. All of it is a function of
+with its weight's share, apportioned per block of :data:`BLOCK` groups and spread through the block by smooth
+weighted round-robin (any run of groups holds the shares to within a group or so); within a source, an
+epoch-by-epoch seeded permutation, as one file's order always was. All of it is a function of
 ``seq`` and the seed, so a resumed run goes on with exactly the prompts an uninterrupted one would have drawn.
 """
 
@@ -222,7 +223,7 @@ class Mixture:
             epoch, index = prompt_for_sequence(seq, len(self.sets[0]), self.seed)
             return 0, epoch, index
         block, pos = divmod(seq, BLOCK)
-        order, rank = _block_order(tuple(self.counts), self.seed, block)
+        order, rank = _block_order(tuple(int(c) for c in self.counts))
         source = int(order[pos])
         nth = block * int(self.counts[source]) + int(rank[pos])  # the source's own cursor
         epoch, index = prompt_for_sequence(nth, len(self.sets[source]), self.seed, stream=source)
@@ -245,13 +246,17 @@ def apportion(weights: list[float], total: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def _block_order(counts: tuple[int, ...], seed: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Block ``block``'s sources in draw order, and each position's rank among its source's draws there."""
-    order = np.random.default_rng([seed, block, len(counts)]).permutation(np.repeat(np.arange(len(counts)), counts))
-    rank = np.empty(len(order), np.int64)
-    for source in range(len(counts)):
-        at = np.flatnonzero(order == source)
-        rank[at] = np.arange(len(at))
+def _block_order(counts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A block's sources in draw order, and each position's rank among its source's draws there: smooth
+    weighted round-robin, so every prefix of a block holds each source's share to within a group or so."""
+    total, current = sum(counts), np.zeros(len(counts), np.int64)
+    order, rank, drawn = np.empty(total, np.int64), np.empty(total, np.int64), np.zeros(len(counts), np.int64)
+    for pos in range(total):
+        current += counts
+        source = int(np.argmax(current))
+        current[source] -= total
+        order[pos], rank[pos] = source, drawn[source]
+        drawn[source] += 1
     return order, rank
 
 

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from asyncrl.chat import ChatTokens
+from asyncrl.data import has_images
 from asyncrl.episodes.api import Outcome
 from asyncrl.errors import UserError
 from asyncrl.generators.prompts import Prompt, Prompts, vision_for
@@ -33,8 +34,8 @@ def dataset(tmp_path):
 @pytest.fixture
 def prompts(dataset, tiny_vlm_dir):
     path, records = dataset
-    vision = vision_for(records, str(tiny_vlm_dir))
-    return Prompts(ChatTokens(vision.processor.tokenizer), vision, path)
+    vision = vision_for(has_images(records), str(tiny_vlm_dir))
+    return Prompts(ChatTokens(vision.processor.tokenizer), vision, path.parent)
 
 
 def test_a_record_with_an_image_is_one_token_for_the_engine_and_expanded_for_the_learner(prompts, dataset):
@@ -62,8 +63,8 @@ def test_an_episode_whose_turns_hold_the_image_token_fails(prompts, dataset):
 def test_images_for_a_text_model_and_placeholders_that_disagree_are_user_errors(dataset, tiny_model_dir, prompts):
     _, records = dataset
     with pytest.raises(UserError, match="not a vision-language model"):
-        vision_for(records, str(tiny_model_dir))
-    assert vision_for([records[1]], str(tiny_model_dir)) is None  # no images: the processor is never loaded
+        vision_for(has_images(records), str(tiny_model_dir))
+    assert vision_for(has_images([records[1]]), str(tiny_model_dir)) is None  # no images: the processor is never loaded
     with pytest.raises(UserError, match="0 <image> tokens and the record 1 images"):
         prompts({"prompt": "What colour?", "images": ["images/blue.png"]})
 
@@ -88,14 +89,14 @@ def test_chat_messages_with_image_parts_render_through_a_vlm_chat_template(tmp_p
     model = tmp_path / "templated"
     shutil.copytree(tiny_vlm_dir, model)
     (model / "chat_template.jinja").write_text(SMOLVLM_TEMPLATE)
-    vision = vision_for([{"prompt": "x", "images": ["a.png"]}], str(model))
+    vision = vision_for(True, str(model))
     chat = ChatTokens(AutoTokenizer.from_pretrained(model))
     assert chat.templated
     record = {
         "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
         "images": ["images/blue.png"],
     }
-    prompt = Prompts(chat, vision, dataset[0])(record)
+    prompt = Prompts(chat, vision, dataset[0].parent)(record)
     assert chat.tok.decode(prompt.ids) == "<|im_start|>User:<image>What colour?<end_of_utterance>\nAssistant:"
     assert prompt.ids.count(vision.image_token_id) == 1 and prompt.learner_ids.count(vision.image_token_id) == 16
     # a template that renders contents only as parts takes every string content as one text part: plain prompts,
