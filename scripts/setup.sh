@@ -27,7 +27,7 @@ if [ ! -f "$stamp" ]; then
   # DS_BUILD_OPS=0: no ahead-of-time op builds (they need CUDA); the one op used on CPU is built below
   # ray: `asyncrl launch --backend ray` (asyncrl/run/ray_backend.py) and its test; it pulls no torch
   # plot, wandb: `asyncrl plot` and run.wandb=offline, both tested (tests/observe/test_plot.py, tests/observe/test_tensorboard.py)
-  DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[$EXTRA,ray,test,plot,wandb,gguf,lora,docs,openenv]"
+  DS_BUILD_OPS=0 .venv/bin/pip install -q -e ".[$EXTRA,ray,test,plot,wandb,gguf,lora,docs,openenv,reasoning-gym]"
   # openenv: OpenEnv servers as environments (asyncrl/episodes/openenv.py, tests/episodes/test_openenv.py);
   # --no-deps, as its dependencies pull gradio and a fastmcp that downgrades mcp (pyproject.toml says which it needs)
   .venv/bin/pip install -q --no-deps openenv-core==0.3.0

@@ -7,15 +7,15 @@ mapping; ``data.train`` may be a list of them with weights, a mixture (:mod:`asy
 from __future__ import annotations
 
 import string
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from asyncrl.config.base import Section
 
 SOURCE_FORMS = (
-    "a JSONL file, a Parquet, Arrow, JSON or CSV file, a glob of such shards, or a directory that "
-    "`datasets`' save_to_disk wrote"
+    "a JSONL file, a Parquet, Arrow, JSON or CSV file, a glob of such shards, a directory that "
+    "`datasets`' save_to_disk wrote, or reasoning_gym:<task>, a procedural task of reasoning-gym"
 )
 
 
@@ -32,6 +32,9 @@ class SourceConfig(Section):
         "'{question}\\nAnswer with the number.' (none: the 'prompt' or 'messages' field).",
     )
     split: str = Field("train", description="The split to read from a save_to_disk directory of several splits.")
+    size: int = Field(1000, ge=1, description="A reasoning_gym:<task> source: how many records it draws.")
+    seed: int = Field(0, description="A reasoning_gym:<task> source: its seed (the held-out set's: another one).")
+    options: dict[str, Any] = Field({}, description="A reasoning_gym:<task> source: the task's own options.")
     weight: float = Field(
         1.0, gt=0, description="In a data.train mixture: this source's share of the groups (data.eval: unused)."
     )

@@ -161,8 +161,9 @@ def prompt_for_sequence(seq: int, num_prompts: int, seed: int, stream: int = 0) 
 
 @functools.lru_cache(maxsize=8)
 def _epoch_order(num_prompts: int, seed: int, epoch: int, stream: int) -> np.ndarray:
-    order = np.random.default_rng([seed, epoch] if stream == 0 else [seed, epoch, stream]).permutation(num_prompts)
-    return order.astype(np.int32)  # half the memory of a large dataset's order (20 MB for 5 million prompts)
+    order = np.arange(num_prompts, dtype=np.int32)  # 20 MB for 5 million prompts, never int64's 40 MB
+    np.random.default_rng([seed, epoch] if stream == 0 else [seed, epoch, stream]).shuffle(order)
+    return order  # the same permutation as Generator.permutation(num_prompts), which shuffles an int64 arange
 
 
 # ----------------------------------------------------------------------------- a record's images

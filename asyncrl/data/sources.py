@@ -31,9 +31,15 @@ import numpy as np
 
 from asyncrl.config.data import SourceConfig
 from asyncrl.data import numbered_jsonl, prompt_for_sequence, record_problem
+from asyncrl.data.procedural import ProceduralRows, is_procedural
 from asyncrl.errors import UserError
 
 BLOCK = 1024  # a mixture's groups are apportioned to its sources per block of this many
+# rows per record batch of the Arrow cache that `datasets` converts into: opening the cache reads every batch's
+# header, and with `datasets`' default of 1,000 rows those headers sit every few KB, so the kernel's fault-around
+# pages in the whole file (92 MB of 5 million short prompts) at the open; 100,000 rows leave 50 headers. (The
+# Parquet reader's batch size is in the cache's fingerprint, the writer's is not: both are set.)
+WRITER_BATCH = 100_000
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".csv": "csv"}  # `datasets`' readers
 
 
@@ -44,11 +50,18 @@ class PromptSet:
         self.source, self.name = source, source.path
         path = Path(source.path)
         self.base_dir = path if path.is_dir() else path.parent  # a record's image paths are relative to it
+        self.columns = dict(source.columns)
         if source.path.endswith(".jsonl"):
             numbered = numbered_jsonl(source.path, lambda rec: self._problem(rec))
             if not numbered:
                 raise UserError(f"dataset file is empty: {source.path}")
             self._lines, self._rows = zip(*numbered, strict=True)
+        elif is_procedural(source.path):
+            self._lines, self._rows = None, ProceduralRows(source.path, source.size, source.seed, source.options)
+            if not {"prompt", "messages"} & set(self.columns) and source.template is None:
+                self.columns["prompt"] = "question"  # a task's prompt is its question, unless mapped otherwise
+            if wrong := self._problem(self._rows[0]):
+                raise UserError(f"{self.name} row 0: {wrong}")
         else:
             self._lines, self._rows = None, open_arrow(source)
             self._check_arrow()
@@ -75,11 +88,11 @@ class PromptSet:
     def has_images(self) -> bool:
         if self._lines is not None:
             return any(rec.get("images") for rec in self._rows)
-        return "images" in self._rows.column_names or "images" in self.source.columns
+        return "images" in self._rows.column_names or "images" in self.columns
 
     def _mapped(self, row: dict) -> dict:
         """The record a row makes: the mapped fields, then the template's prompt."""
-        columns, template = self.source.columns, self.source.template
+        columns, template = self.columns, self.source.template
         if not columns and template is None:
             return row
         record = {**row, **{field: row[column] for field, column in columns.items()}}
@@ -104,10 +117,10 @@ class PromptSet:
 
     def _missing(self, have: set[str]) -> str | None:
         """The first mapped column or template field that ``have`` lacks, as a message, or None."""
-        for field, column in self.source.columns.items():
+        for field, column in self.columns.items():
             if column not in have:
                 return f"no column {column!r} (columns.{field}); the columns are {', '.join(sorted(have))}"
-        fields = have | set(self.source.columns)
+        fields = have | set(self.columns)
         for name in self.source.template_fields:
             if name not in fields:
                 return f"the template names {{{name}}}, which is no column; the columns are {', '.join(sorted(have))}"
@@ -115,7 +128,7 @@ class PromptSet:
 
     def _check_arrow(self) -> None:
         """The schema says each record will have a prompt; the first row is checked as a JSONL line would be."""
-        ds, columns = self._rows, self.source.columns
+        ds, columns = self._rows, self.columns
         if len(ds) == 0:
             raise UserError(f"{self.name}: the source has no rows")
         if missing := self._missing(set(ds.column_names)):
@@ -186,7 +199,8 @@ def open_arrow(source: SourceConfig):
             return _from_disk(source, datasets)
         files = shards(source)
         builder = BUILDERS[Path(files[0]).suffix]
-        return datasets.load_dataset(builder, data_files=files, split="train")
+        batches = {"writer_batch_size": WRITER_BATCH} | ({"batch_size": WRITER_BATCH} if builder == "parquet" else {})
+        return datasets.load_dataset(builder, data_files=files, split="train", **batches)
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever `datasets` or Arrow raise on a bad file is the source's fault

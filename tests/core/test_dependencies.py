@@ -53,6 +53,8 @@ OPTIONAL = {
     "ray": OptionalImport(("ray",), ("asyncrl/run/ray_backend.py",), ("ray",)),
     # `asyncrl plot`
     "matplotlib": OptionalImport(("plot",), ("asyncrl/observe/plot.py",), ("matplotlib",)),
+    # a reasoning_gym:<task> prompt source and its reward
+    "reasoning_gym": OptionalImport(("reasoning-gym",), ("asyncrl/data/procedural.py",), ("reasoning-gym",)),
     # run.wandb: offline (WandbSink alone imports it)
     "wandb": OptionalImport(("wandb",), ("asyncrl/observe/metrics.py",), ("wandb",)),
     # model.path: a .gguf

@@ -192,3 +192,33 @@ def test_every_prefix_of_a_block_holds_the_shares(weights):
         assert rank[n - 1] == seen[source]
         seen[source] += 1
         assert np.abs(seen - counts * n / BLOCK).max() < 2.0, (n, seen, counts)  # SWRR: within a group or two
+
+
+CHAIN_SUM = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+
+
+def test_a_reasoning_gym_task_is_a_source_scored_by_its_own_verifier():
+    from asyncrl.data.procedural import score
+
+    train = PromptSet(SourceConfig(path="reasoning_gym:chain_sum", size=200, seed=1, options=CHAIN_SUM))
+    held_out = PromptSet(SourceConfig(path="reasoning_gym:chain_sum", size=20, seed=2, options=CHAIN_SUM))
+    record = train[5]
+    assert len(train) == 200 and record["prompt"] == record["question"] and record["question"].endswith("=")
+    assert train[5] == record  # made from its index: the same record each time it is read
+    assert {r["question"] for r in held_out.head(20)} != {r["question"] for r in train.head(20)}
+    assert score(record["prompt"], f" {record['answer']}\nand more", record) == 1.0
+    assert score(record["prompt"], f"{int(record['answer']) + 1}", record) == 0.0
+    asked = PromptSet(SourceConfig(path="reasoning_gym:chain_sum", size=5, options=CHAIN_SUM, template="{question}?"))
+    assert asked[0]["prompt"] == asked[0]["question"] + "?"
+
+
+@pytest.mark.parametrize(
+    ("path", "options", "message"),
+    [
+        ("reasoning_gym:nonesuch", {}, "reasoning_gym:nonesuch: reasoning-gym cannot make it: ValueError"),
+        ("reasoning_gym:chain_sum", {"terms": 3}, "unexpected keyword argument 'terms'"),
+    ],
+)
+def test_a_task_reasoning_gym_cannot_make_is_one_error(path, options, message):
+    with pytest.raises(UserError, match=message):
+        PromptSet(SourceConfig(path=path, options=options))
