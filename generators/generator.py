@@ -51,7 +51,6 @@ from asyncrl.buffers.base import live_groups
 from asyncrl.chat import ChatTokens
 from asyncrl.config import Config
 from asyncrl.control import MEMBER_TTL_S, RunControl
-from asyncrl.data import is_async
 from asyncrl.data.sources import open_eval, open_train
 from asyncrl.episodes.api import Context, Outcome, run_episode, single_turn
 from asyncrl.episodes.kinds import load_episode
@@ -75,7 +74,7 @@ from asyncrl.generators.weight_feed import WeightFeed
 from asyncrl.observe import probe
 from asyncrl.observe.metrics import RedisSink
 from asyncrl.protocol import TrajectoryGroup, encode_group
-from asyncrl.rewards.resolve import load_reward
+from asyncrl.rewards.resolve import RunRewards
 from asyncrl.service.pool import WorkerPool
 from asyncrl.staleness import admission_limit, claim_share
 from asyncrl.weights import WeightSubscriber
@@ -129,8 +128,7 @@ class Generator:
             else None
         )
         self.peaks = {"generator/threads_peak": 0, "generator/child_processes_peak": 0}
-        self.reward_fn = load_reward(cfg.data.reward, ep.reward_timeout_s)
-        self.eval_reward_fn = load_reward(cfg.data.eval_reward, ep.reward_timeout_s) if cfg.data.eval_reward else None
+        self.rewards = RunRewards(cfg.data, ep.reward_timeout_s)  # by train source, and the held-out set's
         eval_prompts = Prompts(self.chat, vision, held_out.base_dir if held_out else ".")
         fitting = [(r, p) for r in eval_records if self._fits(p := eval_prompts(r))]  # encoded once, seeded once:
         self.eval_set = [(r, p, episode_seed(cfg.run.seed, -1, i)) for i, (r, p) in enumerate(fitting)]  # ~30 us a seed
@@ -193,7 +191,7 @@ class Generator:
             cfg=ep,
             tools=self.tools,
             parser=self.parser,
-            reward=reward or self.reward_fn,
+            reward=reward or self.rewards.train[0],
             pool=self.pool,
         )
         if journal is None:
@@ -229,7 +227,10 @@ class Generator:
         seeds = [episode_seed(self.cfg.run.seed, seq, i) for i in range(n)]
         try:
             played = await asyncio.gather(
-                *(self.play(record, prompt, s, self.sampling, None, journal, i, shared) for i, s in enumerate(seeds))
+                *(
+                    self.play(record, prompt, s, self.sampling, self.rewards.train[source], journal, i, shared)
+                    for i, s in enumerate(seeds)
+                )
             )
         finally:
             if shared is not None:
@@ -318,7 +319,7 @@ class Generator:
         try:
             async with self.pump.hold():
                 version, t0 = self.version, time.perf_counter()
-                reward = self.eval_reward_fn
+                reward = self.rewards.eval
                 played = await asyncio.gather(*(self.play(r, p, s, self.greedy, reward) for r, p, s in self.eval_set))
             record, point = eval_record(version, points, played, time.perf_counter() - t0), points[-1]
             if "eval/reward_mean" in record:
@@ -383,8 +384,7 @@ class Generator:
         record = self.stats.record(self.cfg.generator.n_samples * len(self.groups), self.pump.take_idle_fraction())
         record.update(self.pump.take_batch_stats())
         self.stats = EpisodeStats()
-        for fn in (self.reward_fn, self.eval_reward_fn):  # a reward model's throughput
-            record.update(getattr(fn, "metrics", dict)())
+        record.update(self.rewards.metrics())  # a reward model's throughput
         threads, children = threads_and_children()  # bounded whatever user code does
         self.peaks["generator/threads_peak"] = max(self.peaks["generator/threads_peak"], threads)
         self.peaks["generator/child_processes_peak"] = max(self.peaks["generator/child_processes_peak"], children)
@@ -485,9 +485,7 @@ class Generator:
             await self.pool.aclose()
         if (agents := sys.modules.get("asyncrl.gateway.server")) is not None:  # agent episodes ran
             await agents.close_endpoint()  # their OpenAI-compatible endpoint
-        close = getattr(self.reward_fn, "close", None)  # a remote reward's connections
-        if close is not None and is_async(close):
-            await close()
+        await self.rewards.aclose()  # a remote reward's connections
 
 
 async def _to_the_end(call) -> None:

@@ -31,6 +31,10 @@ class SourceConfig(Section):
         description="The prompt made from the record's fields, in Python format syntax, e.g. "
         "'{question}\\nAnswer with the number.' (none: the 'prompt' or 'messages' field).",
     )
+    reward: str | None = Field(
+        None,
+        description="This source's own reward, in data.reward's forms (none: data.reward; data.eval: eval_reward).",
+    )
     split: str = Field("train", description="The split to read from a save_to_disk directory of several splits.")
     size: int = Field(1000, ge=1, description="A reasoning_gym:<task> source: how many records it draws.")
     seed: int = Field(0, description="A reasoning_gym:<task> source: its seed (the held-out set's: another one).")
@@ -118,6 +122,12 @@ class DataConfig(Section):
     @property
     def eval_source(self) -> SourceConfig | None:
         return None if self.eval is None else self._source(self.eval)
+
+    @property
+    def reward_specs(self) -> tuple[list[str | None], str | None]:
+        """Each train source's reward, and the held-out set's (None where the run names none)."""
+        held_out = self.eval_source.reward if self.eval_source is not None else None
+        return [s.reward or self.reward for s in self.train_sources], held_out or self.eval_reward or self.reward
 
     @staticmethod
     def _source(value: str | SourceConfig) -> SourceConfig:

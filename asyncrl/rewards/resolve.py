@@ -25,7 +25,8 @@ import numbers
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
 
-from asyncrl.data import call_bounded, import_by_path
+from asyncrl.config.data import DataConfig
+from asyncrl.data import call_bounded, import_by_path, is_async
 from asyncrl.errors import EpisodeFailure
 
 Reward = float | dict[str, float]
@@ -44,6 +45,27 @@ def load_reward(spec: str, timeout_s: float) -> RewardFn:
     if spec.startswith(PREFIX):  # an `asyncrl rm` export, loaded at its first call
         return RewardModelReward(spec.removeprefix(PREFIX))
     return import_by_path(spec)
+
+
+class RunRewards:
+    """A run's rewards, each named one loaded once (:func:`load_reward`): each train source's (its own, else
+    ``data.reward``) and the held-out set's (``data.eval``'s own, else ``data.eval_reward``, else ``data.reward``)."""
+
+    def __init__(self, data: DataConfig, timeout_s: float):
+        train, held_out = data.reward_specs
+        self.loaded = {spec: load_reward(spec, timeout_s) for spec in dict.fromkeys([*train, held_out]) if spec}
+        self.train = [self.loaded[spec] for spec in train]  # by source
+        self.eval = self.loaded[held_out] if held_out else None
+
+    def metrics(self) -> dict[str, float]:
+        """What the rewards that measure themselves report (a reward model's throughput)."""
+        return {k: v for fn in self.loaded.values() for k, v in getattr(fn, "metrics", dict)().items()}
+
+    async def aclose(self) -> None:
+        """Close the connections of those that hold some (a remote reward's)."""
+        for fn in self.loaded.values():
+            if (close := getattr(fn, "close", None)) is not None and is_async(close):
+                await close()
 
 
 async def score(

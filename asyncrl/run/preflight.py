@@ -34,7 +34,8 @@ def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = T
 
     check_named(cfg)
     check_sources(cfg)
-    for spec in filter(None, (cfg.data.reward, cfg.data.eval_reward)):
+    train, held_out = cfg.data.reward_specs
+    for spec in dict.fromkeys(filter(None, [*train, held_out])):
         load_reward(spec, cfg.episode.reward_timeout_s)  # imports it, or checks its URL or export
     load_episode(cfg.episode)  # the episode function or Env, its tools and tool parser
     check_model_path(cfg.model)
@@ -60,8 +61,9 @@ def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = T
 
 def check_named(cfg: Config) -> None:
     """The core has no task of its own: a run names its model, prompts and reward (the demos' configs do)."""
+    rewarded = cfg.data.reward or (cfg.data.train and None not in cfg.data.reward_specs[0])  # each source its own
     unset = [name for name, value in (("model.path", cfg.model.path), ("data.train", cfg.data.train),
-                                      ("data.reward", cfg.data.reward)) if value is None]  # fmt: skip
+                                      ("data.reward", rewarded)) if not value]  # fmt: skip
     if unset:
         raise UserError(
             f"the config sets no {', '.join(unset)}: a run names its model (or model.recipe), its prompts and its "

@@ -120,8 +120,12 @@ def test_paths_that_name_nothing_readable(tmp_path):
 def test_config_forms_of_a_source():
     data = DataConfig(train="a.jsonl", eval={"path": "e.parquet", "columns": {"prompt": "question"}})
     assert data.train_sources == [SourceConfig(path="a.jsonl")] and data.eval_source.columns == {"prompt": "question"}
-    mixed = DataConfig(train=["a.jsonl", {"path": "b.parquet", "weight": 3}])
+    mixed = DataConfig(train=["a.jsonl", {"path": "b.parquet", "weight": 3, "reward": "b:score"}], reward="m:r")
     assert [s.weight for s in mixed.train_sources] == [1.0, 3.0]
+    assert mixed.reward_specs == (["m:r", "b:score"], "m:r")  # each source's reward, the held-out set's
+    held_out = DataConfig(train="a.jsonl", eval={"path": "e.jsonl", "reward": "e:own"}, eval_reward="e:r", reward="m:r")
+    assert held_out.reward_specs == (["m:r"], "e:own")
+    assert DataConfig(train="a.jsonl", eval="e.jsonl", eval_reward="e:r", reward="m:r").reward_specs == (["m:r"], "e:r")
     for bad, needle in [
         ({"train": []}, "empty list"),
         ({"train": [{"path": "b.parquet", "weight": 0}]}, "greater than 0"),
