@@ -24,10 +24,13 @@ import math
 import numbers
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
 
-from asyncrl.config.data import DataConfig
 from asyncrl.data import call_bounded, import_by_path, is_async
 from asyncrl.errors import EpisodeFailure
+
+if TYPE_CHECKING:  # a reward worker imports this module: it needs no config (pydantic)
+    from asyncrl.config.data import DataConfig
 
 Reward = float | dict[str, float]
 RewardFn = Callable[[str, str, dict], "Reward | Awaitable[Reward]"]
