@@ -1,5 +1,6 @@
 """Prompt records (their images too), user code named by import path, and how that code is called. Where the
-records come from, files and datasets and mixtures of them, is :mod:`asyncrl.data.sources`.
+records come from, files and datasets and mixtures of them, is :mod:`asyncrl.data.sources`; reasoning-gym's
+procedural tasks as records, :mod:`asyncrl.data.procedural`.
 
 Images: a record may carry ``images``: a list, each a file path relative to the dataset file's directory, or a
 ``data:image/...;base64,...`` URI. Its prompt names each where it goes with the model's image token
