@@ -6,7 +6,8 @@ draws ``size`` records with ``seed``, the task's own options in ``options``; a r
 ``{"question", "answer", "metadata"}``, and its prompt is the question unless the source maps or templates one.
 Records are made when they are read (reasoning-gym seeds each from its index), so a source of any size costs no
 memory. Give the held-out set another seed than the training set's. :func:`score` is the matching reward
-(``data.reward: asyncrl.data.procedural:score``): the task's ``score_answer`` of the completion's first line.
+(``data.reward: asyncrl.data.procedural:score``): the task's ``score_answer`` of the answer the completion's first
+line states.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ class ProceduralRows:
 
 
 def score(prompt: str, completion: str, record: dict) -> float:
-    """The task's own ``score_answer`` of the completion's first line (reasoning-gym's answers are one line)."""
+    """The task's own ``score_answer`` of the answer the completion states: its first line, after the line's last
+    ``=`` if it has one (``4 - 1 - 7 = -4`` states ``-4``; reasoning-gym's answers are one line)."""
     del prompt
-    answer = completion.strip().split("\n", 1)[0].strip()
+    answer = completion.strip().split("\n", 1)[0].rpartition("=")[2].strip()
     return float(_score_fn(record["metadata"]["source_dataset"])(answer=answer, entry=record))
 
 

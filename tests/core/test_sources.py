@@ -212,8 +212,10 @@ def test_a_reasoning_gym_task_is_a_source_scored_by_its_own_verifier():
     assert {r["question"] for r in held_out.head(20)} != {r["question"] for r in train.head(20)}
     assert score(record["prompt"], f" {record['answer']}\nand more", record) == 1.0
     assert score(record["prompt"], f"{int(record['answer']) + 1}", record) == 0.0
-    asked = PromptSet(SourceConfig(path="reasoning_gym:chain_sum", size=5, options=CHAIN_SUM, template="{question}?"))
-    assert asked[0]["prompt"] == asked[0]["question"] + "?"
+    assert score(record["prompt"], f"{record['metadata']['expression']} = {record['answer']}", record) == 1.0
+    template = "What is {metadata[expression]}?"  # a template may reach into the task's metadata
+    asked = PromptSet(SourceConfig(path="reasoning_gym:chain_sum", size=5, options=CHAIN_SUM, template=template))
+    assert asked[0]["prompt"] == f"What is {asked[0]['metadata']['expression']}?"
 
 
 @pytest.mark.parametrize(
