@@ -346,5 +346,7 @@ def ensure_model(cfg: Config, log=print) -> Config:
 
 def datasets(cfg: Config) -> list[str]:
     """The run's JSONL prompt files (those that may name images): ``data.train``'s, and ``data.eval``'s where set."""
+    if not hasattr(cfg.data, "train_sources"):  # an offline run's (asyncrl.config.offline): JSONL files by path
+        return [path for path in (cfg.data.train, cfg.data.eval) if path is not None]
     sources = [*cfg.data.train_sources, *filter(None, [cfg.data.eval_source])]
     return [s.path for s in sources if s.path.endswith(".jsonl")]
