@@ -213,7 +213,7 @@ class Generator:
 
     async def _run_group(self, seq: int, journal: GroupJournal) -> None:
         version = self.version
-        journal.claim()  # an orphan if this generator dies: played again on the same prompt, never skipped
+        journal.claim()  # an orphan if this generator dies: played again on the same prompt, not skipped
         source, epoch, idx, record = self.train.record(seq)
         prompt = self.prompts[source](record)
         if not self._fits(prompt):  # never an engine error: skipped, counted, its slot given back

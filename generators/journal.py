@@ -20,7 +20,9 @@ version is its oldest model token's. Episodes whose environment lived in the dea
 ``async`` code in the generator, its worker pool) and single-turn groups keep no state, but every group's
 claim is journaled when it starts (:meth:`GroupJournal.claim`): such a group is an orphan too and is played
 again from the beginning, on the same prompt, so a dead generator or a ``kill -9`` and ``--resume`` skips no
-prompt of the run's order (:mod:`asyncrl.data.sources`). A journal ends with its group's push or release,
+prompt of the run's order (:mod:`asyncrl.data.sources`) but those of groups admitted in the instant before, whose
+claims were not journaled yet (the claim is written when the group's task starts, not in the admission's atomic
+step). A journal ends with its group's push or release,
 in the same atomic step.
 
 Cost: one small Redis write per group (its claim), and per turn and episode of a journaled environment (the
