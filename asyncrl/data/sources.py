@@ -226,16 +226,13 @@ class Mixture:
 
     def __init__(self, sets: list[PromptSet], seed: int):
         self.sets, self.seed = sets, seed
-        self.counts = apportion([s.source.weight for s in sets], BLOCK) if len(sets) > 1 else np.array([BLOCK])
+        self.counts = apportion([s.source.weight for s in sets], BLOCK)  # one source: every group, its file's order
         if (self.counts == 0).any():
             small = sets[int(np.argmin(self.counts))].name
             raise UserError(f"{small}: its weight is below one group in {BLOCK}; raise it or leave the source out")
 
     def pick(self, seq: int) -> tuple[int, int, int]:
         """Group ``seq`` -> (source, epoch, index within that source)."""
-        if len(self.sets) == 1:
-            epoch, index = prompt_for_sequence(seq, len(self.sets[0]), self.seed)
-            return 0, epoch, index
         block, pos = divmod(seq, BLOCK)
         order, rank = _block_order(tuple(int(c) for c in self.counts))
         source = int(order[pos])

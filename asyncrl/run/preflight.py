@@ -21,9 +21,8 @@ from asyncrl.models import smollm2
 from asyncrl.models.gguf import ensure_converted, is_gguf
 from asyncrl.run.vision_checks import ImageTokens, check_vision_run
 
-LENGTHS_CHECKED = (
-    10_000  # a large source's first records whose lengths are checked (generators skip the rest's misfits)
-)
+# a large source's first records whose lengths are checked (generators skip and count later misfits)
+LENGTHS_CHECKED = 10_000
 
 
 def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = True) -> None:
