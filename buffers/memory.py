@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 from asyncrl.buffers.base import (
+    CLAIM_PART,
     COUNTER_KEYS,
     DEAD_FRAME_MAX_BYTES,
     DEAD_MAX_ENTRIES,
@@ -69,8 +70,9 @@ class MemoryBuffer(Buffer):
             else:
                 seq = self._counters["started"]
                 self._counters["started"] += 1
-                if producer is not None:
+                if producer is not None:  # held, and its claim journaled (base.CLAIM_PART)
                     self._held[producer] += 1
+                    self._journals[seq] = (producer, {CLAIM_PART: b"{}"})
             if token is not None:
                 self._once[token] = seq
             return None if seq < 0 else seq

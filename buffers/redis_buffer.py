@@ -37,6 +37,7 @@ from redis.retry import Retry
 
 from asyncrl.buffers import redis_scripts as scripts
 from asyncrl.buffers.base import (
+    CLAIM_PART,
     COUNTER_KEYS,
     DEAD_FRAME_MAX_BYTES,
     DEAD_MAX_ENTRIES,
@@ -154,8 +155,9 @@ class RedisBuffer(Buffer):
 
     @_retrying
     def _admit_once(self, token: str, limit: int, producer: str) -> int:
-        keys = [self.keys.counters, self.keys.once(token), self.keys.admissions, self.keys.held]
-        return int(self._admit(keys=keys, args=[limit, IDEMPOTENCY_TTL_S, ADMISSION_RECORDS, producer]))
+        keys = [self.keys.counters, self.keys.once(token), self.keys.admissions, self.keys.held, self.keys.journals]
+        args = [limit, IDEMPOTENCY_TTL_S, ADMISSION_RECORDS, producer, self.keys.journal(""), CLAIM_PART]
+        return int(self._admit(keys=keys, args=args))
 
     def admissions(self, after: str = "-", count: int = 10_000) -> list[tuple[int, int, int]]:
         """The admission records (oldest first, up to ``count``): (sequence, live groups after, limit)."""

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from asyncrl.buffers.base import SLOT_RETURNERS, SLOT_TAKERS
 
-# KEYS: counters, once-token, admissions, held. ARGV: limit, ttl, records kept, producer ('' for
-# none: nobody holds the group). Returns the new group's sequence number, or -1 when refused; a retry
-# with the same token returns the first answer without counting again. ``live`` is
+# KEYS: counters, once-token, admissions, held, journals. ARGV: limit, ttl, records kept, producer ('' for
+# none: nobody holds the group), the journal key prefix, the claim's part. A held group's claim is journaled
+# in the same step (owner and part), so it is an orphan if its producer dies at any instant after. Returns
+# the new group's sequence number, or -1 when refused; a retry with the same token returns the first answer
+# without counting again. ``live`` is
 # base.live_groups, spelled in Lua from the same SLOT_TAKERS / SLOT_RETURNERS tuples. Every admission
 # is recorded (its sequence number, the groups holding a slot after it, and the limit it was judged
 # against), so a run's history can be checked afterwards.
@@ -24,7 +26,11 @@ local seq = -1
 if live < tonumber(ARGV[1]) then
   seq = tonumber(redis.call('HGET', KEYS[1], 'started')) or 0
   redis.call('HINCRBY', KEYS[1], 'started', 1)
-  if ARGV[4] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[4], 1) end
+  if ARGV[4] ~= '' then
+    redis.call('HINCRBY', KEYS[4], ARGV[4], 1)
+    redis.call('HSET', KEYS[5], seq, ARGV[4])
+    redis.call('HSET', ARGV[5] .. seq, ARGV[6], '{{}}')
+  end
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'seq', seq, 'live', live + 1, 'limit', ARGV[1])
 end
 redis.call('SET', KEYS[2], seq, 'EX', ARGV[2])

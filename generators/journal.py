@@ -18,12 +18,11 @@ Tokens, behaviour log-probs and versions are kept as sampled: a resumed episode'
 the versions that sample them, as a turn continued across a weight update does, and the group's
 version is its oldest model token's. Episodes whose environment lived in the dead process (plain or
 ``async`` code in the generator, its worker pool) and single-turn groups keep no state, but every group's
-claim is journaled when it starts (:meth:`GroupJournal.claim`): such a group is an orphan too and is played
-again from the beginning, on the same prompt, so a dead generator or a ``kill -9`` and ``--resume`` skips no
-prompt of the run's order (:mod:`asyncrl.data.sources`) but those of groups admitted in the instant before, whose
-claims were not journaled yet (the claim is written when the group's task starts, not in the admission's atomic
-step). A journal ends with its group's push or release,
-in the same atomic step.
+claim is journaled by its admission, in the same atomic step (``Buffer.try_start_group`` with a producer;
+:meth:`GroupJournal.claim` checks it is still this generator's when the group starts): such a group is an
+orphan too and is played again from the beginning, on the same prompt, so a dead generator or a ``kill -9``
+and ``--resume`` at any instant skips no prompt of the run's order (:mod:`asyncrl.data.sources`). A journal
+ends with its group's push or release, in the same atomic step.
 
 Cost: one small Redis write per group (its claim), and per turn and episode of a journaled environment (the
 record so far, JSON: about 30 bytes a token).
@@ -35,6 +34,7 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
+from asyncrl.buffers.base import CLAIM_PART
 from asyncrl.episodes.api import Outcome
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from asyncrl.episodes.api import Context
 
 log = logging.getLogger("asyncrl.generator")
-CLAIM = -1  # the journal part that holds a group's claim (episodes are parts 0..n-1)
+CLAIM = int(CLAIM_PART)  # the journal part that holds a group's claim (episodes are parts 0..n-1)
 
 
 class GroupJournal:
@@ -58,8 +58,8 @@ class GroupJournal:
         self.resumed_turns = 0  # model turns taken from the journal instead of being played again
 
     def claim(self) -> None:
-        """Journal the group's claim (a fresh group's only), so that it is an orphan, played again on the same
-        prompt, if this generator dies before its push or release."""
+        """The group's claim (a fresh group's only), journaled by its admission: still this generator's (else
+        ``lost``: it stalled past its lease and another took the group), and kept again."""
         if not self.saved and not self.lost:
             self.claimed = self.buffer.journal(self.seq, str(CLAIM), b"{}", self.producer)
             self.lost = not self.claimed

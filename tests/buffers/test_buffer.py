@@ -24,7 +24,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from asyncrl.buffers import STAT_KEYS, Buffer, BufferUnavailableError, MemoryBuffer, run_prefix, setup
-from asyncrl.buffers.base import DEAD_FRAME_MAX_BYTES, Entry, live_groups
+from asyncrl.buffers.base import CLAIM_PART, DEAD_FRAME_MAX_BYTES, Entry, live_groups
 from asyncrl.buffers.redis_buffer import RedisBuffer
 from asyncrl.config import MemoryBufferConfig, RedisBufferConfig
 from asyncrl.errors import UserError
@@ -196,24 +196,28 @@ def test_a_producer_holds_what_it_was_admitted_for_until_it_pushes_or_releases(b
 
 
 def test_a_dead_producers_journaled_groups_become_orphans_that_keep_their_slots(buf: Buffer) -> None:
-    """Journaled groups outlive their producer: orphaned with their slots still taken, taken over once
-    (with the journal) by another producer, ended by its push; the others are given back as before."""
+    """Held groups outlive their producer: their claims are journaled by the admission itself, so a producer dead
+    at any instant after it leaves orphans with their slots still taken, each taken over once (with its journal)
+    by another producer and ended by its push or release."""
     seqs = [buf.try_start_group(0, 2, 4, producer="a") for _ in range(3)]
     assert buf.journal(seqs[0], "0", b'{"turns": 1}', "a") and buf.journal(seqs[0], "1", b"x", "a")
     assert buf.journal(seqs[0], "0", b'{"turns": 2}', "a"), "a part is replaced"
     assert buf.journal(seqs[1], "0", b"y", "a")
-    assert buf.release_held("a", resume=True) == 1, "the unjournaled group is given back"
-    assert buf.orphans() == 2 and live_groups(buf.stats()) == 2, "the orphans keep their slots"
+    assert buf.release_held("a", resume=True) == 0, "every held group's claim is journaled: none given back"
+    assert buf.orphans() == 3 and live_groups(buf.stats()) == 3, "the orphans keep their slots"
     assert not buf.journal(seqs[0], "0", b"late", "a"), "a stalled producer writes no more"
-    assert buf.take_orphan("b") == (seqs[0], {"0": b'{"turns": 2}', "1": b"x"})
-    assert buf.take_orphan("c") == (seqs[1], {"0": b"y"})
+    claim = {CLAIM_PART: b"{}"}
+    assert buf.take_orphan("b") == (seqs[0], {**claim, "0": b'{"turns": 2}', "1": b"x"})
+    assert buf.take_orphan("c") == (seqs[1], {**claim, "0": b"y"})
+    assert buf.take_orphan("c") == (seqs[2], claim), "admitted, nothing played: played again from the start"
     assert buf.take_orphan("c") is None and buf.orphans() == 0
     assert not buf.journal(seqs[0], "0", b"z", "c") and buf.journal(seqs[0], "0", b"z", "b")
     assert buf.push("g", b"frame", producer="b", seq=seqs[0])
     buf.release(1, producer="c", reason="failed", seq=seqs[1])
+    buf.release(1, producer="c", seq=seqs[2])
     assert buf.release_held("b", resume=True) == 0 and buf.release_held("c", resume=True) == 0
     s = buf.stats()
-    assert (s["started"], s["pushed"], s["failed"], s["abandoned"], s["resumed"], live_groups(s)) == (3, 1, 1, 1, 2, 1)
+    assert (s["started"], s["pushed"], s["failed"], s["abandoned"], s["resumed"], live_groups(s)) == (3, 1, 1, 1, 3, 1)
 
 
 def test_orphans_are_given_back_when_nobody_will_resume_them(buf: Buffer) -> None:
