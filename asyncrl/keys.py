@@ -60,6 +60,7 @@ from __future__ import annotations
 CONFIG_FIELD = "config"  # the resolved config, YAML (secrets redacted)
 REDIS_FIELD = "redis_address"  # host:port, as other hosts reach it
 MASTER_FIELD = "learner_master"  # host:port of the learners' rendezvous, when ranks join from other hosts
+LAST_EVAL_FIELD = "last_eval"  # the newest evaluation's metrics record, JSON (``asyncrl status`` shows it)
 
 RUN_MARKERS = ("version", "counters", "traj")
 

@@ -8,6 +8,12 @@ the record (``eval/point`` beside ``eval/version``). Each point is claimed once 
 (``eval:<point>``); points passed together are one evaluation, of the version served (``eval/points``
 lists them). The last point is always served exactly: the learners stop there.
 
+Eval sets (``data.eval_sets``): each is played greedily, and ``k`` times a prompt at its temperature when asked,
+all of them together. A set named ``gsm`` reports ``eval/gsm/reward_mean``, ``eval/gsm/exact_rate`` and, with
+``k``, ``eval/gsm/mean@k`` (the mean reward of the k samples) and ``eval/gsm/pass@k`` (the share of prompts of which
+a sample is exactly right, reward >= 1); the first set (``data.eval_bar``) is the run's bar, ``eval/reward_mean``.
+One unnamed set (``data.eval`` as one source) reports ``eval/...`` alone, as ever.
+
 Samples: the first few episodes of every evaluation, and of the first group a generator finishes at or
 after every ``SAMPLE_EVERY`` versions (claimed once across the fleet, ``samples:<point>``), go to the
 launcher as a metrics record with ``samples/items``: prompt and completion decoded from their token ids
@@ -17,8 +23,14 @@ launcher as a metrics record with ``samples/items``: prompt and completion decod
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from statistics import fmean
+
+from asyncrl.generators.outcomes import episode_seed
+
+log = logging.getLogger("asyncrl.generator")
 
 POLICY_FAILURES = {"budget"}  # failures that are the policy's doing: an evaluation scores them 0
 SAMPLE_EVERY = 10  # versions between training samples: the demo's 40 versions show 5, 1000 steps about 100 KB
@@ -47,22 +59,69 @@ def eval_score(outcome) -> float | None:
     return 0.0 if outcome.cause in POLICY_FAILURES else None
 
 
-def eval_record(version: int, points: list[int], played: Sequence, seconds: float) -> dict:
-    """The metrics record of an evaluation of ``version`` for eval ``points`` (in order); ``played`` is its
-    (context, outcome) pairs."""
-    scores = [eval_score(o) for _, o in played]
-    valid = [r for r in scores if r is not None]
+@dataclasses.dataclass
+class HeldOut:
+    """One eval set as a generator plays it: its episodes as (record, prompt, seed, sampling), the greedy one of
+    each prompt first, then its ``k`` sampled ones."""
+
+    name: str
+    k: int
+    reward: Callable | None  # none: the generator's first train reward
+    episodes: list[tuple]
+
+    @property
+    def prompts(self) -> int:
+        return len(self.episodes) // (1 + self.k)
+
+
+def held_out(spec, records: Sequence[dict], encode: Callable, fits: Callable, greedy, reward, first: int, seed: int):
+    """Eval set ``spec`` (an ``EvalSetConfig``) of ``records``, those whose prompt (``encode``) ``fits``, each
+    prompt encoded once; its episodes' seeds are numbered from ``first`` (the episodes of the sets before it)."""
+    fitting = [(r, p) for r in records if fits(p := encode(r))]
+    if skipped := len(records) - len(fitting):
+        log.warning("eval set %s: %d prompts do not fit the model's context: left out", spec.name or "-", skipped)
+    sampled = dataclasses.replace(greedy, temperature=spec.temperature, top_p=1.0)
+    plays = [(r, p, greedy) for r, p in fitting] + [(r, p, sampled) for r, p in fitting for _ in range(spec.k)]
+    episodes = [(r, p, episode_seed(seed, -1, first + i), how) for i, (r, p, how) in enumerate(plays)]
+    return HeldOut(spec.name, spec.k, reward, episodes)
+
+
+def set_metrics(held: HeldOut, played: Sequence) -> dict:
+    """One set's figures from its ``played`` (context, outcome) pairs, in ``held.episodes``' order."""
+    prefix, n, k = f"eval/{held.name}/" if held.name else "eval/", held.prompts, held.k
+    greedy = [eval_score(o) for _, o in played[:n]]
+    out = {prefix + "failed": sum(o.cause is not None for _, o in played)}
+    if n:
+        out[prefix + "turns_mean"] = fmean(ctx.turns for ctx, _ in played[:n])
+    if valid := [r for r in greedy if r is not None]:
+        out[prefix + "reward_mean"] = fmean(valid)
+        out[prefix + "exact_rate"] = fmean(r >= 1.0 for r in valid)
+    tries = [[s for _, o in played[n + i * k : n + (i + 1) * k] if (s := eval_score(o)) is not None] for i in range(n)]
+    if k and (tries := [t for t in tries if t]):  # a prompt whose every sample failed says nothing: left out
+        out[prefix + f"mean@{k}"] = fmean(fmean(t) for t in tries)
+        out[prefix + f"pass@{k}"] = fmean(any(r >= 1.0 for r in t) for t in tries)
+    return out
+
+
+def eval_record(version: int, points: list[int], sets: Sequence[HeldOut], played: Sequence, seconds: float) -> dict:
+    """The metrics record of an evaluation of ``version`` for eval ``points`` (in order); ``played`` is the
+    (context, outcome) pairs of every set's episodes, in order. Named sets: the first's greedy figures are the
+    run's bar too (``eval/reward_mean``, ``eval/exact_rate``, ``eval/bar`` its name)."""
     record = {
         "eval/version": version,
         "eval/point": points[-1],
         **({"eval/points": points} if len(points) > 1 else {}),
-        "eval/failed": sum(o.cause is not None for _, o in played),
-        "eval/turns_mean": fmean(ctx.turns for ctx, _ in played),
         "eval/seconds": seconds,
     }
-    if valid:
-        record["eval/reward_mean"] = fmean(valid)
-        record["eval/exact_rate"] = fmean(r >= 1.0 for r in valid)
+    at = 0
+    for held in sets:
+        record |= set_metrics(held, played[at : at + len(held.episodes)])
+        at += len(held.episodes)
+    if sets and (bar := sets[0].name):
+        record["eval/bar"] = bar
+        record["eval/failed"] = sum(record[f"eval/{s.name}/failed"] for s in sets)
+        record |= {f"eval/{m}": record[f"eval/{bar}/{m}"] for m in ("reward_mean", "exact_rate", "turns_mean")
+                   if f"eval/{bar}/{m}" in record}  # fmt: skip
     return record
 
 
@@ -84,6 +143,18 @@ def sample_items(tokenizer, prompts: Sequence[Sequence[int]], played: Sequence, 
         if outcome.cause is not None:
             item["failed"] = outcome.cause
         items.append(item)
+    return items
+
+
+def eval_samples(tokenizer, sets: Sequence[HeldOut], played: Sequence) -> list[dict]:
+    """The first ``SAMPLE_ITEMS`` greedy episodes of each eval set (``played``: every set's, in order), a named
+    set's with its name."""
+    items, at = [], 0
+    for held in sets:
+        prompts = [p.ids for _, p, _, _ in held.episodes[: held.prompts]]
+        named = {"set": held.name} if held.name else {}
+        items += [i | named for i in sample_items(tokenizer, prompts, played[at : at + held.prompts], SAMPLE_ITEMS)]
+        at += len(held.episodes)
     return items
 
 

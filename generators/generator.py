@@ -51,7 +51,7 @@ from asyncrl.buffers.base import live_groups
 from asyncrl.chat import ChatTokens
 from asyncrl.config import Config
 from asyncrl.control import MEMBER_TTL_S, RunControl
-from asyncrl.data.sources import open_eval, open_train
+from asyncrl.data.sources import open_evals, open_train
 from asyncrl.episodes.api import Context, Outcome, run_episode, single_turn
 from asyncrl.episodes.kinds import load_episode
 from asyncrl.generators.accounting import EpisodeStats, FailureWindow, threads_and_children
@@ -59,8 +59,11 @@ from asyncrl.generators.engine import Engine, Sampling, fits, turn_sampling
 from asyncrl.generators.evaluation import (
     SAMPLE_EVERY,
     SAMPLE_ITEMS,
+    HeldOut,
     eval_points,
     eval_record,
+    eval_samples,
+    held_out,
     points_reached,
     sample_items,
     samples_record,
@@ -71,6 +74,7 @@ from asyncrl.generators.outcomes import episode_seed, to_sample
 from asyncrl.generators.prompts import Prompt, Prompts, vision_for
 from asyncrl.generators.scheduler import EnginePump, GroupTurns
 from asyncrl.generators.weight_feed import WeightFeed
+from asyncrl.keys import LAST_EVAL_FIELD
 from asyncrl.observe import probe
 from asyncrl.observe.metrics import RedisSink
 from asyncrl.protocol import TrajectoryGroup, encode_group
@@ -105,9 +109,8 @@ class Generator:
         self.stopping = False  # SIGTERM: leave the run cleanly
         ep = cfg.episode
         self.chat = ChatTokens(tokenizer, use_template=ep.chat_template, system_prompt=ep.system_prompt)
-        self.train, held_out = open_train(cfg), open_eval(cfg)
-        eval_records = held_out.head(cfg.data.eval_size) if held_out is not None else []
-        vision = vision_for(any(s.has_images for s in [*self.train.sets, held_out] if s is not None), cfg.model.path)
+        self.train, evals = open_train(cfg), open_evals(cfg)
+        vision = vision_for(any(s.has_images for s in [*self.train.sets, *evals]), cfg.model.path)
         self.prompts = [Prompts(self.chat, vision, s.base_dir) for s in self.train.sets]  # per source: its images
         self.feed = WeightFeed(
             subscriber,
@@ -128,17 +131,17 @@ class Generator:
             else None
         )
         self.peaks = {"generator/threads_peak": 0, "generator/child_processes_peak": 0}
-        self.rewards = RunRewards(cfg.data, ep.reward_timeout_s)  # by train source, and the held-out set's
-        eval_prompts = Prompts(self.chat, vision, held_out.base_dir if held_out else ".")
-        fitting = [(r, p) for r in eval_records if self._fits(p := eval_prompts(r))]  # encoded once, seeded once:
-        self.eval_set = [(r, p, episode_seed(cfg.run.seed, -1, i)) for i, (r, p) in enumerate(fitting)]  # ~30 us a seed
-        if skipped := len(eval_records) - len(self.eval_set):
-            log.warning("%d eval prompts do not fit the model's context: left out", skipped)
+        self.rewards = RunRewards(cfg.data, ep.reward_timeout_s)  # by train source, and by eval set
         self.due_evals = eval_points(cfg.run.steps, cfg.run.eval_every) if cfg.evaluates else set()
         self.due_samples = set(range(0, cfg.run.steps + 1, SAMPLE_EVERY))  # training samples (samples.jsonl)
         g, stops = cfg.generator, tuple(self.chat.stop_token_ids)
         self.sampling = turn_sampling(g, stops)
         self.greedy = turn_sampling(g, stops, greedy=True, tokens_only=self.episode is single_turn)
+        self.eval_sets: list[HeldOut] = []  # encoded once, seeded once (~30 us a seed)
+        for spec, prompts, reward in zip(cfg.data.eval_sets, evals, self.rewards.eval, strict=True):
+            encode, first = Prompts(self.chat, vision, prompts.base_dir), sum(len(h.episodes) for h in self.eval_sets)
+            held = held_out(spec, prompts.head(spec.size), encode, self._fits, self.greedy, reward, first, cfg.run.seed)
+            self.eval_sets.append(held)
         self.capacity = max(1, g.episodes_in_flight // g.n_samples)  # groups
         self.closed_at: int | None = None  # the serving version at which admission was last found closed
         self.groups: set[asyncio.Task] = set()
@@ -301,7 +304,7 @@ class Generator:
     def maybe_evaluate(self) -> None:
         """Evaluate the served version if it reached eval points (``evaluation``) no other generator claimed:
         the first version served at or after each, however many versions passed meanwhile."""
-        if self.evaluating is not None or not self.eval_set:
+        if self.evaluating is not None or not any(h.episodes for h in self.eval_sets):
             return
         reached = points_reached(self.due_evals, self.version)
         if not reached:
@@ -319,18 +322,17 @@ class Generator:
         try:
             async with self.pump.hold():
                 version, t0 = self.version, time.perf_counter()
-                reward = self.rewards.eval
-                played = await asyncio.gather(*(self.play(r, p, s, self.greedy, reward) for r, p, s in self.eval_set))
-            record, point = eval_record(version, points, played, time.perf_counter() - t0), points[-1]
+                plays = [(h.reward, *e) for h in self.eval_sets for e in h.episodes]
+                played = await asyncio.gather(*(self.play(r, p, s, how, fn) for fn, r, p, s, how in plays))
+            record, point = eval_record(version, points, self.eval_sets, played, time.perf_counter() - t0), points[-1]
             if "eval/reward_mean" in record:
                 log.info("eval at version %d (point %d): reward %.3f", version, point, record["eval/reward_mean"])
             else:
                 log.warning("eval at version %d: every episode failed", version)
             self.metrics.log(record)
-            prompts = [prompt.ids for _, prompt, _ in self.eval_set]
-            self.metrics.log(
-                samples_record("eval", version, point, sample_items(self.chat.tok, prompts, played, SAMPLE_ITEMS))
-            )
+            self.control.set_meta(LAST_EVAL_FIELD, json.dumps(record))  # asyncrl status shows it
+            items = eval_samples(self.chat.tok, self.eval_sets, played)
+            self.metrics.log(samples_record("eval", version, point, items))
         finally:
             self.evaluating = None
 

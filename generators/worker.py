@@ -51,7 +51,7 @@ def engine_slots(cfg: Config) -> int:
     whole evaluation (its prompts are played together). Fewer, and an evaluation runs in waves, each paying the
     engine's fixed cost a step again: the demo evaluating every version took 29.4 engine steps a version (both
     generators) at 64 sequences, 17.8 at 192."""
-    return cfg.generator.episodes_in_flight + (cfg.data.eval_size if cfg.evaluates else 0)
+    return cfg.generator.episodes_in_flight + (cfg.data.eval_prompts if cfg.evaluates else 0)
 
 
 def serve(cfg: Config, ident: str, url: str, prefix: str, incarnation: int = 0) -> None:

@@ -68,6 +68,8 @@ def _rows(model: type[BaseModel], prefix: str, skip: tuple[str, ...] = ()) -> li
         if name in skip:
             continue
         variants = list(dict.fromkeys(_variants(field.annotation)))
+        # a section and its extension (data.eval: a source, or a list of named sets): the extension's fields
+        variants = [v for v in variants if not any(w is not v and issubclass(w, v) for w in variants)]
         if len(variants) == 1:  # a section; a field that may also be a plain value (data.train: a path) first
             if _plain(field.annotation):
                 rows.append(_row(prefix + name, _default(field, unset), field.description))

@@ -157,7 +157,7 @@ _TAGGED = {
     "weights": ("zmq", "shm", "nccl", "memory"),
     "episode": tuple(MEMBERS),
     "train": ("path", "source", "mixture"),  # a prompt source's form (asyncrl.config.data)
-    "eval": ("path", "source"),
+    "eval": ("path", "source", "sets"),
     "#": ("path", "source"),  # a list's item: a mixture's source (data.train.0)
 }
 

@@ -276,6 +276,6 @@ def open_train(cfg) -> Mixture:
     return Mixture([PromptSet(s) for s in cfg.data.train_sources], cfg.run.seed)
 
 
-def open_eval(cfg) -> PromptSet | None:
-    source = cfg.data.eval_source
-    return None if source is None else PromptSet(source)
+def open_evals(cfg) -> list[PromptSet]:
+    """The run's eval sets (``data.eval_sets``: the bar's first), opened and checked."""
+    return [PromptSet(s) for s in cfg.data.eval_sets]

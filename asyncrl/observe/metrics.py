@@ -255,6 +255,19 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
+SET_FIGURES = ("reward_mean", "exact_rate", "mean@", "pass@")  # of a named eval set: what the summary keeps
+
+
+def set_figures(record: dict) -> dict[str, dict[str, float]]:
+    """An eval record's named sets' figures, ``{name: {"reward_mean": .., "pass@4": ..}}`` (one unnamed set: none)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in record.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "eval" and parts[2].startswith(SET_FIGURES):
+            out.setdefault(parts[1], {})[parts[2]] = float(value)
+    return out
+
+
 class RedisSink:
     """Sends records to the launcher through the run's Redis ``metrics`` stream."""
 

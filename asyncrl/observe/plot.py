@@ -1,6 +1,7 @@
 """``asyncrl plot``: one PNG dashboard of one or more runs, from their ``metrics.jsonl`` and ``summary.json``.
 
-Ten panels: reward (greedy eval and the learner's sampled batches) against version and wall time,
+Ten panels: reward (greedy eval, each named eval set's greedy reward and pass@k, and the learner's sampled
+batches) against version and wall time,
 version against wall time, trained samples/s, the staleness of trained groups, weight sync seconds, the
 engine-vs-learner log-prob gap with the same weights, buffer depth, learner step time (waiting for data vs
 training) and failed episodes. Runs overlay, one
@@ -82,20 +83,29 @@ def _xy(ax, runs, colors, fields: tuple[str, str], x_time: bool, **style) -> boo
     return drawn
 
 
+def set_curves(runs) -> list[str]:
+    """The named eval sets' curves the runs hold: ``eval/<name>/reward_mean`` and ``eval/<name>/pass@<k>``."""
+    keys = {k for run in runs for r in run.records for k in r if k.startswith("eval/") and k.count("/") == 2}
+    return sorted(k for k in keys if k.endswith("/reward_mean") or "/pass@" in k)
+
+
 def panel_reward(ax, runs, colors, x_time: bool) -> None:
+    from matplotlib.lines import Line2D
+
     eval_drawn = _xy(ax, runs, colors, ("eval/version", "eval/reward_mean"), x_time, marker="o", lw=2)
     sampled = _xy(ax, runs, colors, ("learner/version", "learner/reward_mean"), x_time, lw=1, ls="--", alpha=0.7)
     ax.set_title(f"reward against {'wall time' if x_time else 'version'}")
     ax.set_xlabel("minutes" if x_time else "policy version")
     if not (eval_drawn or sampled):
         return _empty(ax, "no eval or learner records")
-    from matplotlib.lines import Line2D
-
-    ax.legend(
-        [Line2D([], [], color="k", marker="o", lw=2), Line2D([], [], color="k", ls="--", lw=1)],
-        ["greedy eval", "sampled (trained batch)"],
-        fontsize="small",
-    )
+    handles = [Line2D([], [], color="k", marker="o", lw=2), Line2D([], [], color="k", ls="--", lw=1)]
+    labels = ["greedy eval (the bar)", "sampled (trained batch)"]
+    for i, key in enumerate(set_curves(runs)):  # each named set: a marker of its own, pass@k dotted
+        style = {"marker": "sv^<>Dph"[i % 8], "lw": 1, "ls": ":" if "/pass@" in key else "-", "alpha": 0.8}
+        if _xy(ax, runs, colors, ("eval/version", key), x_time, **style):
+            handles.append(Line2D([], [], color="k", **style))
+            labels.append(key.removeprefix("eval/").replace("/reward_mean", " greedy"))
+    ax.legend(handles, labels, fontsize="small")
 
 
 def panel_version(ax, runs, colors) -> None:

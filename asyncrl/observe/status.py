@@ -17,6 +17,7 @@ never printed: servers are named by ``host:port`` only.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import tempfile
 import time
@@ -41,9 +42,10 @@ from asyncrl.buffers.redis_buffer import GROUP, RedisBuffer
 from asyncrl.control import RunControl, find_prefixes
 from asyncrl.errors import UserError
 from asyncrl.fleet.redis_server import check_redis_url, start_redis_server
-from asyncrl.keys import CONFIG_FIELD, RunKeys
+from asyncrl.keys import CONFIG_FIELD, LAST_EVAL_FIELD, RunKeys
 from asyncrl.net import redact_url, url_address
 from asyncrl.observe import probe
+from asyncrl.observe.metrics import set_figures
 from asyncrl.rundir import pid_alive, read_run_info
 
 PING_TIMEOUT_S = 2.0  # a live server on loopback answers in milliseconds; a dead one must not stall us
@@ -172,6 +174,7 @@ def collect_status(source: Source, buffer: RedisBuffer, control: RunControl, now
     stats = buffer.stats()
     state = source.state if source.state != "unknown" else _state_from_redis(control)
     counters = {k: stats[k] for k in STAT_KEYS}
+    last_eval = client.hget(control.keys.meta, LAST_EVAL_FIELD)
     return {
         "run_id": source.run_id,
         "prefix": source.prefix,
@@ -182,8 +185,9 @@ def collect_status(source: Source, buffer: RedisBuffer, control: RunControl, now
         "meta": {
             k.decode(): v.decode(errors="replace")
             for k, v in client.hgetall(control.keys.meta).items()
-            if k != CONFIG_FIELD.encode()  # the whole config: it is in the run directory
+            if k not in (CONFIG_FIELD.encode(), LAST_EVAL_FIELD.encode())  # the config: in the run directory
         },
+        "last_eval": json.loads(last_eval) if last_eval else None,  # the newest evaluation's record
         "fleet": [] if state == "ended" else control.members("generator"),
         "buffer": {
             **counters,
@@ -306,6 +310,7 @@ def render(st: dict, console) -> None:
     console.print(f"fleet: [bold]{len(st['fleet'])}[/] generators live ({', '.join(st['fleet']) or '-'})")
     stale = "  ".join(f"{k} behind: [bold]{v}[/]" for k, v in st["staleness"].items()) or "-"
     console.print(f"staleness of trained groups: {stale}")
+    _render_eval(st.get("last_eval"), console)
     _render_sync(st.get("weight_sync"), console)
     _render_consumers(st["consumers"], console, Table)
     _render_processes(st, console, Table)
@@ -330,6 +335,18 @@ def _render_meta(meta: dict, console) -> None:
         shown += f"{'  ' if shown else ''}(the weight-sync probe's log-probs: see --json)"
     if shown:
         console.print("meta: " + shown)
+
+
+def _render_eval(record: dict | None, console) -> None:
+    """The newest evaluation: the bar's reward, and each named set's figures on a line of its own."""
+    if not record or "eval/version" not in record:
+        return
+    bar = record.get("eval/reward_mean")
+    shown = "every episode failed" if bar is None else f"reward [bold]{bar:.3f}[/]"
+    console.print(f"eval at version {record['eval/version']}: {shown}")
+    for name, figures in set_figures(record).items():
+        mark = " (the bar)" if name == record.get("eval/bar") else ""
+        console.print(f"  {name}{mark}: " + "  ".join(f"{m} [bold]{v:.3f}[/]" for m, v in figures.items()))
 
 
 def _render_sync(sync: dict | None, console) -> None:

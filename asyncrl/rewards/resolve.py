@@ -52,13 +52,13 @@ def load_reward(spec: str, timeout_s: float) -> RewardFn:
 
 class RunRewards:
     """A run's rewards, each named one loaded once (:func:`load_reward`): each train source's (its own, else
-    ``data.reward``) and the held-out set's (``data.eval``'s own, else ``data.eval_reward``, else ``data.reward``)."""
+    ``data.reward``) and each eval set's (its own, else ``data.eval_reward``, else ``data.reward``)."""
 
     def __init__(self, data: DataConfig, timeout_s: float):
         train, held_out = data.reward_specs
-        self.loaded = {spec: load_reward(spec, timeout_s) for spec in dict.fromkeys([*train, held_out]) if spec}
+        self.loaded = {spec: load_reward(spec, timeout_s) for spec in dict.fromkeys([*train, *held_out]) if spec}
         self.train = [self.loaded[spec] for spec in train]  # by source
-        self.eval = self.loaded[held_out] if held_out else None
+        self.eval = [self.loaded[spec] if spec else None for spec in held_out]  # by eval set (data.eval_sets)
 
     def metrics(self) -> dict[str, float]:
         """What the rewards that measure themselves report (a reward model's throughput)."""

@@ -34,7 +34,7 @@ def preflight_light(cfg: Config, redis_url: str | None = None, prompts: bool = T
     check_named(cfg)
     check_sources(cfg)
     train, held_out = cfg.data.reward_specs
-    for spec in dict.fromkeys(filter(None, [*train, held_out])):
+    for spec in dict.fromkeys(filter(None, [*train, *held_out])):
         load_reward(spec, cfg.episode.reward_timeout_s)  # imports it, or checks its URL or export
     load_episode(cfg.episode)  # the episode function or Env, its tools and tool parser
     check_model_path(cfg.model)
@@ -136,10 +136,10 @@ def check_sources(cfg: Config) -> None:
 
 
 def open_sources(cfg: Config) -> list:
-    """The run's sources, opened: ``data.train``'s, then ``data.eval``'s."""
-    from asyncrl.data.sources import open_eval, open_train
+    """The run's sources, opened: ``data.train``'s, then each eval set's."""
+    from asyncrl.data.sources import open_evals, open_train
 
-    return [*open_train(cfg).sets, *filter(None, [open_eval(cfg)])]
+    return [*open_train(cfg).sets, *open_evals(cfg)]
 
 
 def in_background(chore: Callable[..., None], *args) -> Callable[..., None]:
@@ -347,5 +347,5 @@ def datasets(cfg: Config) -> list[str]:
     """The run's JSONL prompt files (those that may name images): ``data.train``'s, and ``data.eval``'s where set."""
     if not hasattr(cfg.data, "train_sources"):  # an offline run's (asyncrl.config.offline): JSONL files by path
         return [path for path in (cfg.data.train, cfg.data.eval) if path is not None]
-    sources = [*cfg.data.train_sources, *filter(None, [cfg.data.eval_source])]
+    sources = [*cfg.data.train_sources, *cfg.data.eval_sets]
     return [s.path for s in sources if s.path.endswith(".jsonl")]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from asyncrl.buffers.base import lost_groups, unfinished_groups
 from asyncrl.config import RunConfig
-from asyncrl.observe.metrics import DiskFull, open_sinks, read_metrics
+from asyncrl.observe.metrics import DiskFull, open_sinks, read_metrics, set_figures
 from asyncrl.run.disk import CheckpointRoom
 from asyncrl.run.samples import ITEMS_FIELD, SamplesLog, sample_lines
 from asyncrl.rundir import write_atomic
@@ -94,6 +94,8 @@ class RunStats:
         self.wall_offset = 0.0
         self.evals: dict[int, float] = {}  # eval reward by the version evaluated
         self.eval_points: set[int] = set()  # the eval points those stand for (generators.evaluation)
+        self.eval_sets: dict[str, dict[int, dict]] = {}  # named eval sets: their figures by the version evaluated
+        self.eval_bar: str | None = None  # the named set that is the run's bar
         self.episodes = 0  # episodes generators finished (each report counts its own)
         # model tokens and samples: generated (every training episode), trained, dropped as stale (length_bias)
         self.lengths = {"generated": [0, 0], "trained": [0, 0], "dropped_stale": [0, 0]}
@@ -251,14 +253,19 @@ class RunStats:
         if "eval/reward_mean" in record:
             version, reward = int(record["eval/version"]), float(record["eval/reward_mean"])
             points = [int(p) for p in record.get("eval/points") or [record.get("eval/point", version)]]
+            named = set_figures(record)
             self.evals[version] = reward
             self.eval_points.update(points)
+            for name, figures in named.items():
+                self.eval_sets.setdefault(name, {})[version] = figures
+            self.eval_bar = record.get("eval/bar", self.eval_bar)
             if say is not None:
                 late = f" (eval point {', '.join(map(str, points))}: the first version served at or after it)"
                 late = late if points != [version] else ""
                 failed = f", {record['eval/failed']} episodes failed" if record.get("eval/failed") else ""
                 exact = f"exact {record['eval/exact_rate']:.2f}{failed}"
-                say(f"eval at version {version}{late}: reward {reward:.3f} ({exact})")
+                sets = "".join(f"; {n}: " + ", ".join(f"{m} {v:.3f}" for m, v in f.items()) for n, f in named.items())
+                say(f"eval at version {version}{late}: reward {reward:.3f} ({exact}){sets}")
 
     def _add_lengths(self, kind: str, tokens, samples) -> None:
         if tokens is not None and samples is not None:  # records of an older tree have none
@@ -315,6 +322,8 @@ class RunStats:
             "dropped_stale": self.dropped_stale,
             "length_bias": self.length_bias,
             "evals": {str(k): v for k, v in sorted(self.evals.items())},
+            "eval_bar": self.eval_bar,
+            "eval_sets": {n: {str(k): v for k, v in sorted(by.items())} for n, by in self.eval_sets.items()},
             "episodes": self.episodes,
             "episodes_failed": dict(sorted(self.failures.items())),
             "tool_calls_failed": dict(sorted(self.tool_failures.items())),

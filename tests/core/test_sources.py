@@ -119,21 +119,49 @@ def test_paths_that_name_nothing_readable(tmp_path):
 
 def test_config_forms_of_a_source():
     data = DataConfig(train="a.jsonl", eval={"path": "e.parquet", "columns": {"prompt": "question"}})
-    assert data.train_sources == [SourceConfig(path="a.jsonl")] and data.eval_source.columns == {"prompt": "question"}
+    assert data.train_sources == [SourceConfig(path="a.jsonl")] and data.eval_sets[0].columns == {"prompt": "question"}
     mixed = DataConfig(train=["a.jsonl", {"path": "b.parquet", "weight": 3, "reward": "b:score"}], reward="m:r")
     assert [s.weight for s in mixed.train_sources] == [1.0, 3.0]
-    assert mixed.reward_specs == (["m:r", "b:score"], "m:r")  # each source's reward, the held-out set's
+    assert mixed.reward_specs == (["m:r", "b:score"], [])  # each source's reward, each eval set's
     held_out = DataConfig(train="a.jsonl", eval={"path": "e.jsonl", "reward": "e:own"}, eval_reward="e:r", reward="m:r")
-    assert held_out.reward_specs == (["m:r"], "e:own")
-    assert DataConfig(train="a.jsonl", eval="e.jsonl", eval_reward="e:r", reward="m:r").reward_specs == (["m:r"], "e:r")
+    assert held_out.reward_specs == (["m:r"], ["e:own"])
+    assert DataConfig(train="a.jsonl", eval="e.jsonl", eval_reward="e:r", reward="m:r").reward_specs == (
+        ["m:r"],
+        ["e:r"],
+    )
     for bad, needle in [
         ({"train": []}, "empty list"),
         ({"train": [{"path": "b.parquet", "weight": 0}]}, "greater than 0"),
         ({"train": {"path": "b", "columns": {"prompt": "q"}, "template": "{q}"}}, "not columns.prompt and template"),
         ({"train": {"path": "b", "template": "no field"}}, "template must name record fields"),
+        ({"eval": []}, "data.eval is an empty list"),
+        ({"eval": [{"name": "a", "path": "x"}, {"name": "a", "path": "y"}]}, "two sets are named a"),
+        ({"eval": [{"name": "a b", "path": "x"}]}, "letters, digits"),
+        ({"eval": [{"name": "a", "path": "x", "k": -1}]}, "greater than or equal to 0"),
+        ({"eval": [{"name": "a", "path": "x"}], "eval_bar": "b"}, "eval_bar names no eval set"),
+        ({"eval": "e.jsonl", "eval_bar": "b"}, "data.eval has no named sets"),
     ]:
         with pytest.raises(ValueError, match=needle):
             DataConfig(**bad)
+
+
+def test_named_eval_sets_each_with_its_size_reward_and_k_the_bar_first():
+    data = DataConfig(
+        train="a.jsonl",
+        reward="m:r",
+        eval_reward="e:r",
+        eval_size=50,
+        eval=[
+            {"name": "arith", "path": "a.jsonl"},
+            {"name": "gsm", "path": "g.parquet", "columns": {"prompt": "question"}, "reward": "g:r", "size": 8, "k": 4},
+        ],
+        eval_bar="gsm",
+    )
+    sets = data.eval_sets
+    assert [(s.name, s.size, s.k) for s in sets] == [("gsm", 8, 4), ("arith", 50, 0)]  # the bar's first
+    assert data.reward_specs == (["m:r"], ["g:r", "e:r"]) and data.eval_prompts == 8 * 5 + 50
+    one = DataConfig(train="a.jsonl", eval={"path": "reasoning_gym:chain_sum", "size": 20}, eval_size=64)
+    assert [(s.name, s.size, s.k) for s in one.eval_sets] == [("", 20, 0)]  # one source: unnamed, its draws
 
 
 def jsonl_source(tmp_path, name: str, n: int, weight: float = 1.0) -> PromptSet:

@@ -9,7 +9,7 @@ import logging
 from types import SimpleNamespace
 
 from asyncrl.episodes.api import Outcome
-from asyncrl.generators.evaluation import eval_points, eval_record, points_reached
+from asyncrl.generators.evaluation import HeldOut, eval_points, eval_record, points_reached
 from asyncrl.generators.generator import Generator
 
 
@@ -48,7 +48,8 @@ def generator_at(version: int, due: set[int], claims: Claims) -> tuple[SimpleNam
         started.append((version, points))
 
     gen = SimpleNamespace(
-        version=version, due_evals=set(due), eval_set=[object()], evaluating=None, control=claims,
+        version=version, due_evals=set(due), eval_sets=[SimpleNamespace(episodes=[object()])], evaluating=None,
+        control=claims,
         evaluate=evaluate, _task_done=lambda task: None,
     )  # fmt: skip
     return gen, started
@@ -116,9 +117,42 @@ def test_the_eval_record_names_the_version_evaluated_and_its_point():
         (SimpleNamespace(turns=3), Outcome(None, cause="budget")),  # the policy's fault: scores 0
         (SimpleNamespace(turns=1), Outcome(None, cause="env_error")),  # not the policy's: left out
     ]
-    record = eval_record(12, [10], played, seconds=2.0)
+    one = [HeldOut("", 0, None, [()] * 4)]  # data.eval as one source: an unnamed set
+    record = eval_record(12, [10], one, played, seconds=2.0)
     assert record["eval/version"] == 12 and record["eval/point"] == 10 and "eval/points" not in record
     assert record["eval/reward_mean"] == 0.5 and record["eval/exact_rate"] == 1 / 3
     assert record["eval/failed"] == 2 and record["eval/turns_mean"] == 1.5 and record["eval/seconds"] == 2.0
-    two = eval_record(21, [10, 20], played, seconds=2.0)  # points passed together: one evaluation of both
+    two = eval_record(21, [10, 20], one, played, seconds=2.0)  # points passed together: one evaluation of both
     assert two["eval/point"] == 20 and two["eval/points"] == [10, 20]
+
+
+def episode(reward: float | None, cause: str | None = None, turns: int = 1) -> tuple:
+    return SimpleNamespace(turns=turns), Outcome(None if reward is None else {"reward": reward}, cause=cause)
+
+
+def test_named_sets_report_greedy_mean_at_k_and_pass_at_k_each_and_the_first_is_the_bar():
+    # gsm: 2 prompts, greedy then 3 samples each; arith: 2 prompts, greedy only
+    gsm = HeldOut("gsm", 3, None, [()] * 8)
+    arith = HeldOut("arith", 0, None, [()] * 2)
+    played = [
+        episode(1.0), episode(0.0),  # gsm greedy
+        episode(0.0), episode(1.0), episode(0.5),  # gsm prompt 0's samples: one exactly right
+        episode(0.0), episode(None, "env_error"), episode(0.2),  # prompt 1's: none right, one failed (left out)
+        episode(0.25), episode(0.75, turns=3),  # arith greedy
+    ]  # fmt: skip
+    record = eval_record(5, [5], [gsm, arith], played, seconds=1.0)
+    assert record["eval/gsm/reward_mean"] == 0.5 and record["eval/gsm/exact_rate"] == 0.5
+    assert record["eval/gsm/mean@3"] == (0.5 + 0.1) / 2 and record["eval/gsm/pass@3"] == 0.5
+    assert record["eval/gsm/failed"] == 1 and record["eval/arith/failed"] == 0
+    assert record["eval/arith/reward_mean"] == 0.5 and "eval/arith/pass@0" not in record
+    assert record["eval/arith/turns_mean"] == 2.0
+    # the bar: the first set's greedy figures, under the names every sink and summary.json read
+    assert record["eval/bar"] == "gsm" and record["eval/reward_mean"] == 0.5 and record["eval/exact_rate"] == 0.5
+    assert record["eval/failed"] == 1
+
+
+def test_a_prompt_whose_every_sample_failed_is_left_out_of_pass_at_k():
+    held = HeldOut("s", 2, None, [()] * 6)
+    played = [episode(0.0), episode(0.0), episode(1.0), episode(0.0), *[episode(None, "env_error")] * 2]
+    record = eval_record(0, [0], [held], played, seconds=1.0)
+    assert record["eval/s/pass@2"] == 1.0 and record["eval/s/mean@2"] == 0.5
