@@ -59,6 +59,13 @@ def committed_version(run_dir: Path) -> int:
     return json.loads(path.read_text())["version"] if path.exists() else 0
 
 
+def evaluated(run_dir: Path, point: int) -> bool:
+    """Whether eval point ``point`` is in the run's metrics (``generators.evaluation``: maybe at a later version)."""
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    return any(point in r.get("eval/points", [r.get("eval/point")]) for r in records if "eval/version" in r)
+
+
 def test_a_run_survives_sigint_kill_9_of_everything_and_a_killed_launcher(tmp_path):
     pytest.importorskip("vllm")
     rng = random.Random(SEED)
@@ -71,6 +78,8 @@ def test_a_run_survives_sigint_kill_9_of_everything_and_a_killed_launcher(tmp_pa
     try:
         wait_for(lambda: committed_version(run_dir) >= 10, 400, "the first committed checkpoint", proc)
         wait_for(lambda: latest_version(run_dir) >= 12, 400, "two versions after it", proc)
+        # the first evaluation too (on a loaded machine it may outlast 12 versions; stopped, it is done on resume)
+        wait_for(lambda: evaluated(run_dir, 0), 400, "the first evaluation", proc)
         versions_at_stop.append(latest_version(run_dir))
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
