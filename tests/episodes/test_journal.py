@@ -18,6 +18,7 @@ from test_env_serve import PLAIN, start_env_serve, steps_logged
 from test_episodes import EOS, TOK, make_ctx, scripted
 
 from asyncrl.buffers import MemoryBuffer
+from asyncrl.buffers.base import CLAIM_PART
 from asyncrl.episodes.api import Outcome, env_episode, run_episode
 from asyncrl.episodes.remote_env import RemoteEnv
 from asyncrl.generators.journal import GroupJournal
@@ -153,7 +154,7 @@ def test_a_group_journal_replays_finished_episodes_and_resumes_the_rest():
     journal.finished(0, done, Outcome({"reward": 1.0}))
     assert buf.release_held("g0", resume=True) == 0
     taken_seq, saved = buf.take_orphan("g1")
-    assert taken_seq == seq and sorted(saved) == ["0", "1"]
+    assert taken_seq == seq and sorted(saved) == [CLAIM_PART, "0", "1"]  # the claim, journaled by the admission
 
     again = GroupJournal(buf, seq, "g1", saved)
     replayed = make_ctx(scripted())
