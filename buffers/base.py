@@ -116,12 +116,12 @@ class DeadLetter:
 
 # Groups holding an admission slot: the counters that take a slot minus those that give it back (see
 # the module doc). ``live_groups`` and the Redis admission script are both built from these two tuples.
-# the journal part of a group's claim, written by its admission when a producer holds it: a group admitted in the
-# instant before its generator dies is an orphan too, played again, never skipped (asyncrl.generators.journal)
-CLAIM_PART = "-1"
 SLOT_TAKERS = ("started", "replayed")
 SLOT_RETURNERS = ("abandoned", "failed", "dropped_stale", "filtered", "dead")
 RELEASE_REASONS = ("abandoned", "failed")  # what :meth:`Buffer.release` may count an unpushed group as
+# the journal part of a group's claim, written by its admission when a producer holds it: a group admitted in the
+# instant before its generator dies is an orphan too, played again, never skipped (asyncrl.generators.journal)
+CLAIM_PART = "-1"
 
 
 def live_groups(counts: dict[str, int]) -> int:

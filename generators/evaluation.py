@@ -86,6 +86,15 @@ def held_out(spec, records: Sequence[dict], encode: Callable, fits: Callable, gr
     return HeldOut(spec.name, spec.k, reward, episodes)
 
 
+def by_set(sets: Sequence[HeldOut], played: Sequence) -> list[tuple[HeldOut, Sequence]]:
+    """Each set with its slice of ``played``, every set's episodes in order."""
+    out, at = [], 0
+    for held in sets:
+        out.append((held, played[at : at + len(held.episodes)]))
+        at += len(held.episodes)
+    return out
+
+
 def set_metrics(held: HeldOut, played: Sequence) -> dict:
     """One set's figures from its ``played`` (context, outcome) pairs, in ``held.episodes``' order."""
     prefix, n, k = f"eval/{held.name}/" if held.name else "eval/", held.prompts, held.k
@@ -113,10 +122,8 @@ def eval_record(version: int, points: list[int], sets: Sequence[HeldOut], played
         **({"eval/points": points} if len(points) > 1 else {}),
         "eval/seconds": seconds,
     }
-    at = 0
-    for held in sets:
-        record |= set_metrics(held, played[at : at + len(held.episodes)])
-        at += len(held.episodes)
+    for held, mine in by_set(sets, played):
+        record |= set_metrics(held, mine)
     if sets and (bar := sets[0].name):
         record["eval/bar"] = bar
         record["eval/failed"] = sum(record[f"eval/{s.name}/failed"] for s in sets)
@@ -149,12 +156,11 @@ def sample_items(tokenizer, prompts: Sequence[Sequence[int]], played: Sequence, 
 def eval_samples(tokenizer, sets: Sequence[HeldOut], played: Sequence) -> list[dict]:
     """The first ``SAMPLE_ITEMS`` greedy episodes of each eval set (``played``: every set's, in order), a named
     set's with its name."""
-    items, at = [], 0
-    for held in sets:
+    items = []
+    for held, mine in by_set(sets, played):
         prompts = [p.ids for _, p, _, _ in held.episodes[: held.prompts]]
         named = {"set": held.name} if held.name else {}
-        items += [i | named for i in sample_items(tokenizer, prompts, played[at : at + held.prompts], SAMPLE_ITEMS)]
-        at += len(held.episodes)
+        items += [i | named for i in sample_items(tokenizer, prompts, mine[: held.prompts], SAMPLE_ITEMS)]
     return items
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.errors import UserError
-from asyncrl.observe.metrics import read_metrics
+from asyncrl.observe.metrics import read_metrics, set_figures
 
 RATE_WINDOW = 5  # learner steps per samples/s point: one step's rate jumps with every slow batch
 
@@ -85,8 +85,8 @@ def _xy(ax, runs, colors, fields: tuple[str, str], x_time: bool, **style) -> boo
 
 def set_curves(runs) -> list[str]:
     """The named eval sets' curves the runs hold: ``eval/<name>/reward_mean`` and ``eval/<name>/pass@<k>``."""
-    keys = {k for run in runs for r in run.records for k in r if k.startswith("eval/") and k.count("/") == 2}
-    return sorted(k for k in keys if k.endswith("/reward_mean") or "/pass@" in k)
+    figures = {(n, m) for run in runs for r in run.records for n, f in set_figures(r).items() for m in f}
+    return sorted(f"eval/{n}/{m}" for n, m in figures if m == "reward_mean" or m.startswith("pass@"))
 
 
 def panel_reward(ax, runs, colors, x_time: bool) -> None:

@@ -174,7 +174,9 @@ def collect_status(source: Source, buffer: RedisBuffer, control: RunControl, now
     stats = buffer.stats()
     state = source.state if source.state != "unknown" else _state_from_redis(control)
     counters = {k: stats[k] for k in STAT_KEYS}
-    last_eval = client.hget(control.keys.meta, LAST_EVAL_FIELD)
+    meta = {k.decode(): v.decode(errors="replace") for k, v in client.hgetall(control.keys.meta).items()}
+    meta.pop(CONFIG_FIELD, None)  # the whole config: it is in the run directory
+    last_eval = meta.pop(LAST_EVAL_FIELD, None)
     return {
         "run_id": source.run_id,
         "prefix": source.prefix,
@@ -182,11 +184,7 @@ def collect_status(source: Source, buffer: RedisBuffer, control: RunControl, now
         "source": source.origin,
         "state": state,
         "version": version,
-        "meta": {
-            k.decode(): v.decode(errors="replace")
-            for k, v in client.hgetall(control.keys.meta).items()
-            if k not in (CONFIG_FIELD.encode(), LAST_EVAL_FIELD.encode())  # the config: in the run directory
-        },
+        "meta": meta,
         "last_eval": json.loads(last_eval) if last_eval else None,  # the newest evaluation's record
         "fleet": [] if state == "ended" else control.members("generator"),
         "buffer": {
