@@ -256,6 +256,34 @@ def cmd_env_serve(args) -> int:
     )
 
 
+def _agent_serve_parser(sub) -> None:
+    p = sub.add_parser("agent-serve", help="serve an OpenAI-API agent that plays a run's episodes (episode.agent_url)")
+    p.add_argument("--agent", required=True, metavar="MODULE:FUNCTION", help="an `async def agent(client, task)`")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one; the URL is printed)")
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=3600.0,
+        help="an episode still playing after this long is cancelled (keep it above the clients' "
+        "episode.episode_timeout_s)",
+    )
+    p.add_argument(
+        "--token-file",
+        help="file holding the bearer token (made, mode 600, if missing); default: $ASYNCRL_AGENT_TOKEN, "
+        "else a new temporary file",
+    )
+    p.set_defaults(func=cmd_agent_serve)
+
+
+def cmd_agent_serve(args) -> int:
+    from asyncrl.gateway.agent_serve import serve
+    from asyncrl.observe.metrics import setup_logging
+
+    setup_logging(name="agent-serve")
+    return serve(args.agent, host=args.host, port=args.port, deadline_s=args.deadline_s, token_file=args.token_file)
+
+
 def _plot_parser(sub) -> None:
     p = sub.add_parser("plot", help="draw a PNG dashboard of one or more runs (overlaid) from their metrics")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (runs/<name>); a live run works too")
@@ -289,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     _status_parser(sub)
     _reward_serve_parser(sub)
     _env_serve_parser(sub)
+    _agent_serve_parser(sub)
     _plot_parser(sub)
     from asyncrl.run import join
 

@@ -16,6 +16,7 @@ from asyncrl.config.data import DataConfig
 from asyncrl.config.episode import (
     AgentCommandEpisodeConfig,
     AgentEpisodeConfig,
+    AgentServiceEpisodeConfig,
     CompletionEpisodeConfig,
     EpisodeConfig,
     FunctionEpisodeConfig,
@@ -52,6 +53,7 @@ __all__ = [
     "MOVED",
     "RECIPE_PATHS",
     "AgentCommandEpisodeConfig",
+    "AgentServiceEpisodeConfig",
     "AgentEpisodeConfig",
     "AlgorithmConfig",
     "BufferConfig",

@@ -2,21 +2,24 @@
 
 The kinds: ``completion`` (one completion scored by data.reward, or a tool loop when tools are given),
 ``function`` (an async episode function or an Env class), ``remote_env`` (a session of an ``asyncrl
-env-serve`` environment), ``agent`` (an ``async def agent(client, task)`` against the OpenAI API) and
-``agent_command`` (an agent program per episode). A new kind is a member here (its ``type`` and its own
+env-serve`` environment), ``agent`` (an ``async def agent(client, task)`` against the OpenAI API),
+``agent_command`` (an agent program per episode) and ``agent_service`` (an agent service, ``asyncrl
+agent-serve``, plays each episode). A new kind is a member here (its ``type`` and its own
 fields) and one builder in ``asyncrl.episodes.kinds.KINDS``.
 
 ``type`` may be left out: the one key that names the episode names its kind (``function``, ``env_url``,
-``agent``, ``agent_command``; none: ``completion``), as configs did before ``episode.type``.
+``agent``, ``agent_command``, ``agent_url``; none: ``completion``), as configs did before ``episode.type``.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BeforeValidator, Discriminator, Field, model_validator
 
 from asyncrl.config.base import Section
+from asyncrl.net import is_loopback, redact_url
 
 
 class _EpisodeBase(Section):
@@ -190,6 +193,34 @@ class AgentCommandEpisodeConfig(_AgentEpisodeBase):
         return self
 
 
+class AgentServiceEpisodeConfig(_AgentEpisodeBase):
+    type: Literal["agent_service"] = Field(
+        "agent_service",
+        description="Each episode is played by an agent service (`asyncrl agent-serve`, or any server of its "
+        "protocol; see asyncrl.gateway.agent_remote), against the episode's session of this generator's endpoint.",
+    )
+    agent_url: str = Field(
+        description="The service's URL: http://:TOKEN@host:port, or http://host:port with the token in "
+        "$ASYNCRL_AGENT_TOKEN. A service on another host needs episode.agent_host set to an address of this "
+        "host it can reach (or 0.0.0.0: the address facing the service is the one it is given)."
+    )
+
+    @model_validator(mode="after")
+    def _reachable(self) -> AgentServiceEpisodeConfig:
+        parts = urlsplit(self.agent_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"episode.agent_url must be an http(s)://host:port URL, not {redact_url(self.agent_url)!r}"
+            )
+        if is_loopback(self.agent_host) and not is_loopback(parts.hostname):
+            raise ValueError(
+                f"episode.agent_url is on another host ({parts.hostname}) but the generator's endpoint listens on "
+                f"loopback (episode.agent_host {self.agent_host}): set episode.agent_host to this host's address "
+                "the service can reach, or 0.0.0.0"
+            )
+        return self
+
+
 MEMBERS: dict[str, type[_EpisodeBase]] = {
     m.model_fields["type"].default: m
     for m in (
@@ -198,11 +229,18 @@ MEMBERS: dict[str, type[_EpisodeBase]] = {
         RemoteEnvEpisodeConfig,
         AgentEpisodeConfig,
         AgentCommandEpisodeConfig,
+        AgentServiceEpisodeConfig,
     )
 }
 # The key that names each kind's episode: a config without episode.type names its kind by giving one of these
 # (the kinds that came before episode.type; a kind added since is named by its type).
-NAMING_KEYS = {"function": "function", "env_url": "remote_env", "agent": "agent", "agent_command": "agent_command"}
+NAMING_KEYS = {
+    "function": "function",
+    "env_url": "remote_env",
+    "agent": "agent",
+    "agent_command": "agent_command",
+    "agent_url": "agent_service",
+}
 
 
 def retype(tree: dict, overrides: dict[str, Any]) -> None:
@@ -259,7 +297,8 @@ EpisodeConfig = Annotated[
     | FunctionEpisodeConfig
     | RemoteEnvEpisodeConfig
     | AgentEpisodeConfig
-    | AgentCommandEpisodeConfig,
+    | AgentCommandEpisodeConfig
+    | AgentServiceEpisodeConfig,
     Discriminator("type"),
     BeforeValidator(_kind_of),
 ]

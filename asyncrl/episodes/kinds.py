@@ -52,9 +52,9 @@ def _remote_env(cfg: config.RemoteEnvEpisodeConfig) -> Episode:
     return env_episode(make_env, cfg.max_turns)
 
 
-def _agent(cfg: config.AgentEpisodeConfig | config.AgentCommandEpisodeConfig) -> Episode:
-    """An OpenAI-API agent, a function or a program. The OpenAI gateway builds it: that package sits above the
-    episodes (its endpoint drives a ``Context``), so it is named here by path, as a plugin, never imported."""
+def _agent(cfg: config.AgentEpisodeConfig | config.AgentCommandEpisodeConfig | config.AgentServiceEpisodeConfig):
+    """An OpenAI-API agent: a function, a program, or a service. The OpenAI gateway builds it: that package sits
+    above the episodes (its endpoint drives a ``Context``), so it is named here by path, as a plugin, never imported."""
     return import_by_path(AGENT_EPISODE)(cfg)
 
 
@@ -64,6 +64,7 @@ KINDS: dict[str, Callable[[EpisodeConfig], Episode]] = {
     "remote_env": _remote_env,
     "agent": _agent,
     "agent_command": _agent,
+    "agent_service": _agent,
 }
 
 

@@ -7,7 +7,9 @@ parts), or None. ``episode.agent_command`` instead starts a program per episode,
 ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` set for its session, ``ASYNCRL_REWARD_URL`` (where it may
 ``POST {"reward": x}`` with that key as bearer token) and ``ASYNCRL_SEED``, and the task as JSON on its
 standard input; it runs in its own process group, killed when the episode ends early (its timeout, the
-generator's shutdown). Neither imports anything from asyncrl.
+generator's shutdown). ``episode.agent_url`` hands each episode to an agent service (``asyncrl agent-serve``,
+:mod:`asyncrl.gateway.agent_serve`; the client: :mod:`asyncrl.gateway.agent_remote`) that runs such a
+function against the session over HTTP, on its own host. None imports anything from asyncrl.
 
 The reward, first that exists: what the agent function returned; what the session's ``/reward`` was
 given; the run's ``data.reward`` on the last model turn's text (the final transcript's answer). A turn that
@@ -21,20 +23,22 @@ turns): under ``episode.on_agent_error: score`` (the default) the episode is a f
 ``episode.agent_error_reward`` (0.0) and counted (``tools/agent_raised``), so its group trains on the model's
 worst outputs instead of dropping them; ``fail`` makes it ``agent_error`` too. An ``agent_command`` program says
 the same with its exit status: 0 done, :data:`GAVE_UP_EXIT` (10) the model's output made it give up, any other
-a failure of its own.
+a failure of its own; an agent service answers ``agent_raised`` for the former.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import logging
 import os
 import shlex
 import signal
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.data import import_by_path
 from asyncrl.episodes.tools import load_parser
@@ -45,44 +49,31 @@ from asyncrl.rewards.resolve import one_line
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from asyncrl.config import AgentCommandEpisodeConfig, AgentEpisodeConfig
+    from asyncrl.config import AgentCommandEpisodeConfig, AgentEpisodeConfig, AgentServiceEpisodeConfig
     from asyncrl.episodes.api import Context, Episode
+
+    AgentConfig = AgentEpisodeConfig | AgentCommandEpisodeConfig | AgentServiceEpisodeConfig
 
 STDERR_TAIL = 400  # characters of a failed agent program's standard error kept in its failure's detail
 GAVE_UP_EXIT = 10  # an agent program's exit status for "the model's output made me give up"
 RAISED = "agent_raised"  # the counter of episodes scored as failed attempts (the generator's tools/... metrics)
 
 
-def agent_episode(cfg: AgentEpisodeConfig | AgentCommandEpisodeConfig, endpoint: Endpoint | None = None) -> Episode:
-    """The episode that runs ``cfg.agent`` or ``cfg.agent_command`` against a session of ``endpoint``
-    (None: this event loop's, started at the first episode)."""
-    fn = argv = slots = None
-    if cfg.type == "agent":
-        import openai  # noqa: F401 - imported here, not by the first episode on the generator's event loop
-
-        fn = import_by_path(cfg.agent)
-        if not inspect.iscoroutinefunction(fn):
-            raise UserError(f"episode.agent {cfg.agent!r} must be an `async def agent(client, task)`")
-    else:
-        argv = shlex.split(cfg.agent_command) if isinstance(cfg.agent_command, str) else cfg.agent_command
-        slots = asyncio.Semaphore(cfg.agent_processes or 2 * (os.cpu_count() or 1))
+def agent_episode(cfg: AgentConfig, endpoint: Endpoint | None = None) -> Episode:
+    """The episode that runs ``cfg.agent``, ``cfg.agent_command`` or the service at ``cfg.agent_url`` against a
+    session of ``endpoint`` (None: this event loop's, started at the first episode)."""
+    play, host = player(cfg)
     parser = load_parser(cfg.tool_parser)
 
     async def episode(ctx: Context):
         server = endpoint or await endpoint_for(cfg.agent_host, cfg.agent_port)
-        session = server.open(ctx, parser, cfg.tool_parser)
+        session = server.open(ctx, parser, cfg.tool_parser, host)
         try:
-            if fn is not None:
-                result = await call_agent(fn, server, session, ctx)
-            else:
-                with ctx.waiting():  # for a slot: the run's time, not the episode's
-                    await slots.acquire()
-                try:
-                    result = await run_command(argv, session, ctx)
-                finally:
-                    slots.release()
-        except EpisodeFailure:
-            raise
+            result = await play(server, session, ctx)
+        except EpisodeFailure as failure:
+            if session.failure is None or session.failure is failure:
+                raise
+            raise session.failure from failure  # a refused turn (the budget) caused what followed
         except Exception as exc:  # noqa: BLE001 - the agent's error is the episode's data
             return agent_failed(exc, session, cfg, ctx)
         finally:
@@ -98,6 +89,35 @@ def agent_episode(cfg: AgentEpisodeConfig | AgentCommandEpisodeConfig, endpoint:
         return await ctx.score(text)
 
     return episode
+
+
+def player(cfg: AgentConfig) -> tuple[Callable[[Endpoint, AgentSession, Context], Awaitable[Any]], str | None]:
+    """``(play, host)``: what plays an episode of ``cfg``'s kind against a session, and the address the sessions'
+    URLs name (None: the endpoint's own)."""
+    if cfg.type == "agent_service":
+        from asyncrl.gateway.agent_remote import AgentService
+
+        service = AgentService(cfg.agent_url, cfg.agent_host)
+        return (lambda server, session, ctx: service.play(session, ctx)), service.host
+    if cfg.type == "agent":
+        import openai  # noqa: F401 - imported here, not by the first episode on the generator's event loop
+
+        fn = import_by_path(cfg.agent)
+        if not inspect.iscoroutinefunction(fn):
+            raise UserError(f"episode.agent {cfg.agent!r} must be an `async def agent(client, task)`")
+        return functools.partial(call_agent, fn), None
+    argv = shlex.split(cfg.agent_command) if isinstance(cfg.agent_command, str) else cfg.agent_command
+    slots = asyncio.Semaphore(cfg.agent_processes or 2 * (os.cpu_count() or 1))
+
+    async def command(server: Endpoint, session: AgentSession, ctx: Context) -> None:
+        with ctx.waiting():  # for a slot: the run's time, not the episode's
+            await slots.acquire()
+        try:
+            return await run_command(argv, session, ctx)
+        finally:
+            slots.release()
+
+    return command, None
 
 
 class GaveUp(Exception):
@@ -121,7 +141,7 @@ def agent_failed(exc: Exception, session: AgentSession, cfg, ctx: Context) -> fl
     return gave_up(ctx, cfg, one_line(exc))
 
 
-def gave_up(ctx: Context, cfg: AgentEpisodeConfig | AgentCommandEpisodeConfig, detail: str) -> float:
+def gave_up(ctx: Context, cfg: AgentConfig, detail: str) -> float:
     """An episode the agent abandoned over the model's output: a failed attempt, counted; logged the first time
     (a bug in the agent itself scores every episode so: its detail is the place to look)."""
     if not _told:

@@ -107,6 +107,7 @@ class AgentSession:
     failure: EpisodeFailure | None = None  # the first failure of a turn: the episode's, once the agent ends
     running: set[asyncio.Task] = dataclasses.field(default_factory=set)
     responses: dict[str, list[dict]] = dataclasses.field(default_factory=dict)  # /responses' id -> its conversation
+    requests: int = 0  # requests that reached it with its key: none, and its agent has not begun
 
     @property
     def reward_url(self) -> str:
@@ -160,9 +161,11 @@ class Endpoint:
         return httpx.AsyncClient(transport=LocalTransport(self), trust_env=False, timeout=CLIENT_TIMEOUT_S)
 
     # -- sessions -----------------------------------------------------------------------------------------
-    def open(self, ctx: Context, parser, parser_name: str) -> AgentSession:
+    def open(self, ctx: Context, parser, parser_name: str, host: str | None = None) -> AgentSession:
+        """A new session, its URL naming ``host`` (None: the address the endpoint listens on)."""
         sid = secrets.token_urlsafe(12)
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = host or self.host
+        host = f"[{host}]" if ":" in host else host
         url = f"http://{host}:{self.port}/sessions/{sid}/v1"
         session = AgentSession(sid, self._key(sid), url, Conversation(ctx, parser, parser_name))
         self.sessions[sid] = session
@@ -213,6 +216,7 @@ class Endpoint:
                 raise ApiError(404, f"no route {method} {path[:200]}", "invalid_request_error", "unknown_url")
             sid, op = route.groups()
             session = self._session(sid, authorization)
+            session.requests += 1
             return await self._op(session, op, raw)
         except ApiError as error:
             return error.reply()

@@ -235,7 +235,10 @@ def test_an_old_run_config_with_every_kinds_keys_still_loads():
             {"type": "agent", "agent": "c:d", "function": "a:b"},
             "episode.function is for episode.type: function, not agent",
         ),
-        ({"function": "a:b", "agent_port": 8000}, "episode.agent_port is for episode.type: agent or agent_command"),
+        (
+            {"function": "a:b", "agent_port": 8000},
+            "episode.agent_port is for episode.type: agent, agent_command or agent_service",
+        ),
         ({"type": "env_serve", "env_url": "http://h:1"}, "episode.type 'env_serve' is none of completion, function"),
         ({"type": "function"}, "episode.function: Field required"),
         ({"env_url": "ftp://h"}, "episode.env_url must be an http(s):// URL"),

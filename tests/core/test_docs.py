@@ -32,7 +32,7 @@ TOP = ("asyncrl", "generators", "learners", "buffers", "tests", "scripts", "conf
 PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(TOP) + r")/[\w./*{},<>-]*)")
 MODULE = re.compile(r"(?<![\w/.])(asyncrl(?:\.\w+)+)")
 # wire schema names (asyncrl/protocol.py, asyncrl/rewards/remote.py, asyncrl/episodes/remote_env.py)
-SCHEMAS = {"asyncrl.traj", "asyncrl.reward", "asyncrl.env"}
+SCHEMAS = {"asyncrl.traj", "asyncrl.reward", "asyncrl.env", "asyncrl.agent"}
 ROLES = {"asyncrl.generators": "generators", "asyncrl.learners": "learners", "asyncrl.buffers": "buffers"}
 
 

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from announced import Output, announced_url
 from demo_launch import ROOT
 from netns import namespace
 
@@ -32,7 +30,7 @@ STEPS = 3
 READY_TIMEOUT_S = 120.0
 
 
-def start_in(ns, tmp_path: Path) -> tuple[subprocess.Popen, str, str, queue.Queue]:
+def start_in(ns, tmp_path: Path) -> tuple[subprocess.Popen, str, str, Output]:
     """``asyncrl env-serve`` of the guess Env on the namespace's address: (process, URL, token, output)."""
     token_file = tmp_path / "env.token"
     serve = [sys.executable, "-m", "asyncrl.cli", "env-serve", "--env", "asyncrl.demo.guess:Env", "--workers", "2",
@@ -41,21 +39,8 @@ def start_in(ns, tmp_path: Path) -> tuple[subprocess.Popen, str, str, queue.Queu
     proc = subprocess.Popen(
         ns.cmd(*serve), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.put(line.rstrip("\n"))
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline, seen = time.monotonic() + READY_TIMEOUT_S, []
-    while True:
-        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        assert line is not None, f"env-serve exited ({proc.wait()}):\n" + "\n".join(seen)
-        seen.append(line)
-        if " at http://" in line:
-            return proc, line.split(" at ", 1)[1].split()[0], token_file.read_text().strip(), lines
+    url, output = announced_url(proc, "env-serve", READY_TIMEOUT_S)
+    return proc, url, token_file.read_text().strip(), output
 
 
 def test_a_run_plays_its_episodes_on_an_env_serve_in_another_namespace(tmp_path: Path):
@@ -88,7 +73,5 @@ def test_a_run_plays_its_episodes_on_an_env_serve_in_another_namespace(tmp_path:
     assert health["opened"] >= trained and health["closed"] >= trained, health
     assert health["steps"] >= health["resets"] >= trained, health  # each episode: a reset, then 1-4 guesses
     assert code == 143  # stopped by SIGTERM after the run, as documented
-    rest = []
-    while (line := output.get(timeout=30)) is not None:
-        rest.append(line)
-    assert "Traceback" not in "\n".join(rest) and token not in "\n".join(rest)
+    rest = output.text()
+    assert "Traceback" not in rest and token not in rest
