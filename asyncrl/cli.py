@@ -288,7 +288,7 @@ def _plot_parser(sub) -> None:
     p = sub.add_parser("plot", help="draw a PNG dashboard of one or more runs (overlaid) from their metrics")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (runs/<name>); a live run works too")
     p.add_argument("-o", "--out", help="the PNG to write (default: RUN_DIR/dashboard.png of the first run)")
-    p.add_argument("--dpi", type=int, default=80, help="resolution: the image is 15 x 11 inches (default 80)")
+    p.add_argument("--dpi", type=int, default=80, help="resolution: the image is 30 x 9 inches (default 80)")
     p.set_defaults(func=cmd_plot)
 
 

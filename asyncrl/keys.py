@@ -61,6 +61,7 @@ CONFIG_FIELD = "config"  # the resolved config, YAML (secrets redacted)
 REDIS_FIELD = "redis_address"  # host:port, as other hosts reach it
 MASTER_FIELD = "learner_master"  # host:port of the learners' rendezvous, when ranks join from other hosts
 LAST_EVAL_FIELD = "last_eval"  # the newest evaluation's metrics record, JSON (``asyncrl status`` shows it)
+LENGTH_BIAS_FIELD = "length_bias"  # the launcher's summary of lengths generated, trained, dropped (JSON; status)
 
 RUN_MARKERS = ("version", "counters", "traj")
 

@@ -44,7 +44,8 @@ log = logging.getLogger("asyncrl.buffer")
 
 # Outcomes decided (and acknowledged) as soon as an entry is judged, as ``Batch.counts`` keys.
 OUTCOMES_AT_ONCE = ("foreign", "dead", "stale", "filtered")
-# what the groups dropped as stale held: their samples and model tokens (the length bias of dropping them)
+# what the groups dropped as stale held: their samples and model tokens (the length bias of dropping them; each
+# sample's, in Batch.stale_lengths)
 STALE_SIZES = ("stale_samples", "stale_tokens")
 
 
@@ -80,6 +81,7 @@ class Batch:
     items: list[Held]
     replays: int  # items used before
     counts: dict[str, int]  # outcomes decided while this batch was taken: foreign, dead, stale, filtered
+    stale_lengths: list[int] = dataclasses.field(default_factory=list)  # model tokens of each stale sample
 
     @property
     def groups(self) -> list[TrajectoryGroup]:
@@ -115,6 +117,7 @@ class BatchConsumer:
         self.done: dict[str, Held] = {}  # trained, budget spent or stale: acknowledged at commit
         self.fresh: list[Held] = []  # judged usable, never trained (recovered or read ahead)
         self.totals = dict.fromkeys((*OUTCOMES_AT_ONCE, *STALE_SIZES, "replays"), 0)
+        self._stale_lengths: list[int] = []  # the samples of groups dropped as stale since the last batch
 
     # ----- taking a batch ---------------------------------------------------------------------
 
@@ -147,7 +150,8 @@ class BatchConsumer:
             self.buffer.record_replays(len(replays), token=f"replays:{self.consumer}:{version}")
         self._add_totals(counts)
         self.totals["replays"] += len(replays)
-        return Batch(items, len(replays), counts)
+        lengths, self._stale_lengths = self._stale_lengths, []
+        return Batch(items, len(replays), counts, lengths)
 
     def give_back(self, batch: Batch) -> None:
         """A taken batch that no step will use (the run stops while another rank waits): held again,
@@ -219,6 +223,7 @@ class BatchConsumer:
         for group in groups:
             counts["stale_samples"] += len(group.samples)
             counts["stale_tokens"] += group.num_tokens
+            self._stale_lengths += [int(s.mask.sum()) for s in group.samples]
 
     def _adopt_orphans(self, taking: list[Held]) -> list[Entry]:
         """Entries pending for this consumer that it does not hold: a read whose reply was lost
@@ -280,4 +285,5 @@ class BatchConsumer:
                 counts["replay"] += 1
         if trained:
             counts["trained"] = self.buffer.ack(trained, "trained")
+        self._stale_lengths.clear()  # sizes are counted for the steps' records, and no step takes these
         return {k: n for k, n in counts.items() if k not in STALE_SIZES}  # outcomes only

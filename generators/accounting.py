@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from asyncrl.episodes.api import Context, Outcome
+from asyncrl.observe.lengths import bin_of
 
 
 class FailureWindow:
@@ -79,6 +80,7 @@ class EpisodeStats:
     env_seconds: list[float] = dataclasses.field(default_factory=list)
     rewards: list[float] = dataclasses.field(default_factory=list)
     tokens: int = 0
+    lengths: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # samples by bin
     groups: int = 0
     groups_failed: int = 0
     groups_resumed: int = 0  # taken over from a generator that died (generators.journal)
@@ -91,6 +93,7 @@ class EpisodeStats:
         self.env_seconds += ctx.env_seconds
         self.tool_failures.update(ctx.tool_failures)
         self.tokens += sum(ctx.mask)
+        self.lengths[bin_of(sum(ctx.mask))] += 1
         if outcome.cause is not None:
             self.failures[outcome.cause] += 1
         else:
@@ -106,6 +109,7 @@ class EpisodeStats:
             "episodes/in_flight": in_flight,
             "episodes/done": self.episodes,
             "episodes/model_tokens": self.tokens,  # generated: what the learners train on (learner/tokens) and drop
+            "episodes/model_tokens_hist": dict(self.lengths),  # by bin of asyncrl.observe.lengths
             "episodes/failed": sum(self.failures.values()),
             "episodes/groups_failed": self.groups_failed,
             "episodes/groups_resumed": self.groups_resumed,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from asyncrl.observe import lengths
+
 if TYPE_CHECKING:
     from asyncrl.buffers.consumer import Batch
     from asyncrl.learners.objective import StepLoss
@@ -30,7 +32,20 @@ def step_sums(groups: list[TrajectoryGroup], batch: Batch, stale: list[int], mis
         "turns": sum(s.turns for s in samples),
         "stale_samples": batch.counts["stale_samples"],  # what the groups dropped as stale held
         "stale_tokens": batch.counts["stale_tokens"],
+        **dense("trained_bin", (int(s.mask.sum()) for s in samples)),  # their histograms: every rank every bin
+        **dense("stale_bin", batch.stale_lengths),
     }
+
+
+def dense(prefix: str, tokens) -> dict[str, int]:
+    """Every bin of :data:`asyncrl.observe.lengths.BINS` as ``<prefix><i>``: the same names on every rank."""
+    counts = lengths.histogram(tokens)
+    return {f"{prefix}{i}": counts.get(i, 0) for i in range(len(lengths.BINS))}
+
+
+def binned(total: dict, prefix: str) -> dict[int, int]:
+    """The sparse histogram of the ``<prefix><i>`` sums."""
+    return lengths.sparse({int(k.removeprefix(prefix)): v for k, v in total.items() if k.startswith(prefix)})
 
 
 def step_record(version: int, out: StepLoss, total: dict, max_stale: float, lr: float, sync: dict) -> dict:
@@ -65,6 +80,8 @@ def step_record(version: int, out: StepLoss, total: dict, max_stale: float, lr: 
         "learner/turns_per_sample": total["turns"] / total["samples"],
         "buffer/dropped_stale_samples": total["stale_samples"],
         "buffer/dropped_stale_tokens": total["stale_tokens"],
+        "learner/tokens_hist": binned(total, "trained_bin"),  # by bin of asyncrl.observe.lengths
+        "buffer/dropped_stale_tokens_hist": binned(total, "stale_bin"),
         "buffer/staleness_mean": total["stale_sum"] / total["groups"],
         "buffer/staleness_max": max_stale,
         "buffer/dropped_stale": total["dropped_stale"],

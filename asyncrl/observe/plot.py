@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import collections
 import io
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.errors import UserError
+from asyncrl.observe import lengths
 from asyncrl.observe.metrics import read_metrics, set_figures
 
 RATE_WINDOW = 5  # learner steps per samples/s point: one step's rate jumps with every slow batch
@@ -167,6 +169,53 @@ def panel_staleness(ax, runs, colors) -> None:
     ax.legend(fontsize="small")
 
 
+def length_hists(run: Run) -> dict[str, dict[int, int]]:
+    """Samples by bin of model tokens, by kind (generated, trained, dropped_stale): the records' histograms
+    (a live run's too), by :data:`asyncrl.observe.lengths.BINS` index."""
+    fields = {"generated": "episodes/model_tokens_hist", "trained": "learner/tokens_hist",
+              "dropped_stale": "buffer/dropped_stale_tokens_hist"}  # fmt: skip
+    hists = {kind: collections.Counter() for kind in fields}
+    for record in run.records:
+        for kind, name in fields.items():
+            if isinstance(record.get(name), dict):
+                lengths.merge(hists[kind], record[name])
+    return hists
+
+
+def panel_lengths(ax, runs, colors) -> None:
+    ax.set_title("model tokens a sample: generated (solid), trained (dashed),\ndropped as stale (dotted)")
+    ax.set_xlabel("model tokens (bins of 2^(1/4))")
+    ax.set_ylabel("cumulative share of samples")
+    styles, drawn, notes = {"generated": "-", "trained": "--", "dropped_stale": ":"}, False, []
+    for run, color in zip(runs, colors, strict=True):
+        hists = length_hists(run)
+        for kind, style in styles.items():
+            counts, total = hists[kind], sum(hists[kind].values())
+            if total:
+                bins = sorted(counts)
+                shares = itertools.accumulate(counts[b] / total for b in bins)
+                ax.step([max(lengths.BINS[b], 1) for b in bins], list(shares), where="post", color=color, ls=style)
+                drawn = True
+        ks = lengths.ks(hists["trained"], hists["generated"])
+        if ks is not None:
+            notes.append(f"{run.name}: KS {ks:.3f}")
+    if not drawn:
+        return _empty(ax, "no lengths recorded")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)
+    ax.text(0.98, 0.02, "\n".join(notes), transform=ax.transAxes, ha="right", va="bottom", fontsize="small")
+
+
+def panel_length_bias(ax, runs, colors) -> None:
+    ax.set_title("length bias so far: mean trained / mean generated (solid),\nKS trained vs generated (dashed)")
+    ax.set_xlabel("minutes")
+    drawn = _xy(ax, runs, colors, ("time", "length/trained_over_generated"), True)
+    drawn = _xy(ax, runs, colors, ("time", "length/ks_trained_vs_generated"), True, ls="--") or drawn
+    if not drawn:
+        return _empty(ax, "no length bias recorded")
+    ax.axhline(1.0, color="0.6", lw=0.8)
+
+
 def panel_sync(ax, runs, colors) -> None:
     ax.set_title("weight sync: step end to every generator serving it\n(dotted: the part an evaluation held it)")
     ax.set_xlabel("policy version")
@@ -267,7 +316,7 @@ def dashboard(run_dirs: list[str | Path], out: str | Path | None = None, dpi: in
     runs = [load_run(d) for d in run_dirs]
     out = Path(out) if out is not None else Path(run_dirs[0]) / "dashboard.png"
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
-    fig, axes = plt.subplots(2, 5, figsize=(25, 9))
+    fig, axes = plt.subplots(2, 6, figsize=(30, 9))
     panel_reward(axes[0, 0], runs, colors, x_time=False)
     panel_reward(axes[0, 1], runs, colors, x_time=True)
     panel_version(axes[0, 2], runs, colors)
@@ -278,6 +327,8 @@ def dashboard(run_dirs: list[str | Path], out: str | Path | None = None, dpi: in
     panel_buffer(axes[1, 2], runs, colors)
     panel_step_time(axes[1, 3], runs, colors)
     panel_failures(axes[1, 4], runs, colors)
+    panel_lengths(axes[0, 5], runs, colors)
+    panel_length_bias(axes[1, 5], runs, colors)
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     from matplotlib.patches import Patch

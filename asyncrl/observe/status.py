@@ -42,7 +42,7 @@ from asyncrl.buffers.redis_buffer import GROUP, RedisBuffer
 from asyncrl.control import RunControl, find_prefixes
 from asyncrl.errors import UserError
 from asyncrl.fleet.redis_server import check_redis_url, start_redis_server
-from asyncrl.keys import CONFIG_FIELD, LAST_EVAL_FIELD, RunKeys
+from asyncrl.keys import CONFIG_FIELD, LAST_EVAL_FIELD, LENGTH_BIAS_FIELD, RunKeys
 from asyncrl.net import redact_url, url_address
 from asyncrl.observe import probe
 from asyncrl.observe.metrics import set_figures
@@ -177,6 +177,7 @@ def collect_status(source: Source, buffer: RedisBuffer, control: RunControl, now
     meta = {k.decode(): v.decode(errors="replace") for k, v in client.hgetall(control.keys.meta).items()}
     meta.pop(CONFIG_FIELD, None)  # the whole config: it is in the run directory
     last_eval = meta.pop(LAST_EVAL_FIELD, None)
+    length_bias = meta.pop(LENGTH_BIAS_FIELD, None)
     return {
         "run_id": source.run_id,
         "prefix": source.prefix,
@@ -186,6 +187,7 @@ def collect_status(source: Source, buffer: RedisBuffer, control: RunControl, now
         "version": version,
         "meta": meta,
         "last_eval": json.loads(last_eval) if last_eval else None,  # the newest evaluation's record
+        "length_bias": json.loads(length_bias) if length_bias else None,  # the launcher's, as in summary.json
         "fleet": [] if state == "ended" else control.members("generator"),
         "buffer": {
             **counters,
@@ -309,6 +311,7 @@ def render(st: dict, console) -> None:
     stale = "  ".join(f"{k} behind: [bold]{v}[/]" for k, v in st["staleness"].items()) or "-"
     console.print(f"staleness of trained groups: {stale}")
     _render_eval(st.get("last_eval"), console)
+    _render_lengths(st.get("length_bias"), console)
     _render_sync(st.get("weight_sync"), console)
     _render_consumers(st["consumers"], console, Table)
     _render_processes(st, console, Table)
@@ -345,6 +348,22 @@ def _render_eval(record: dict | None, console) -> None:
     for name, figures in set_figures(record).items():
         mark = " (the bar)" if name == record.get("eval/bar") else ""
         console.print(f"  {name}{mark}: " + "  ".join(f"{m} [bold]{v:.3f}[/]" for m, v in figures.items()))
+
+
+def _render_lengths(bias: dict | None, console) -> None:
+    """Model tokens a sample, generated against trained and dropped as stale (means, medians, 90th percentiles),
+    and how far apart trained and generated are: the length bias of dropping stale work."""
+    if not bias or not bias.get("generated_samples"):
+        return
+    kinds = []
+    for kind in ("generated", "trained", "dropped_stale"):
+        if bias.get(f"{kind}_samples"):
+            mean = bias[f"{kind}_tokens_per_sample"]
+            kinds.append(f"{kind.replace('_', ' ')} {_dash(mean and round(mean, 1))} (median {bias[f'{kind}_p50']}, "
+                         f"p90 {bias[f'{kind}_p90']}; {bias[f'{kind}_samples']} samples)")  # fmt: skip
+    ratio, ks = bias.get("trained_over_generated"), bias.get("ks_trained_vs_generated")
+    apart = f"trained/generated [bold]{_dash(ratio and round(ratio, 3))}[/], KS [bold]{_dash(ks and round(ks, 3))}[/]"
+    console.print(f"lengths (model tokens a sample): {apart}; " + "; ".join(kinds))
 
 
 def _render_sync(sync: dict | None, console) -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from asyncrl.buffers.base import lost_groups, unfinished_groups
 from asyncrl.config import RunConfig
+from asyncrl.keys import LENGTH_BIAS_FIELD
+from asyncrl.observe import lengths
 from asyncrl.observe.metrics import DiskFull, open_sinks, read_metrics, set_figures
 from asyncrl.run.disk import CheckpointRoom
 from asyncrl.run.samples import ITEMS_FIELD, SamplesLog, sample_lines
@@ -99,6 +101,7 @@ class RunStats:
         self.episodes = 0  # episodes generators finished (each report counts its own)
         # model tokens and samples: generated (every training episode), trained, dropped as stale (length_bias)
         self.lengths = {"generated": [0, 0], "trained": [0, 0], "dropped_stale": [0, 0]}
+        self.length_hists = {kind: collections.Counter() for kind in lengths.KINDS}  # samples by bin
         self.failures: collections.Counter[str] = collections.Counter()  # failed episodes by cause
         self.tool_failures: collections.Counter[str] = collections.Counter()  # failed tool calls by cause
         self.taken_over = {"groups": 0, "turns": 0}  # resumed from generators that died (generators.journal)
@@ -196,9 +199,15 @@ class RunStats:
 
     def _sample_buffer(self, control, buffer) -> None:
         """Once per learner step: the staleness histogram of trained groups (for the summary) and the
-        buffer's depth (a metric record). Either may be gone while the run ends."""
+        buffer's depth (a metric record); the length bias (a metric record, and the run's metadata for ``asyncrl
+        status``). Redis or the buffer may be gone while the run ends."""
+        bias = self.length_bias
+        figures = {f"length/{k}": bias[k] for k in ("trained_over_generated", "ks_trained_vs_generated")}
+        if any(v is not None for v in figures.values()):
+            self._log({"time": time.time(), **{k: v for k, v in figures.items() if v is not None}})
         with contextlib.suppress(Exception):
             self.staleness_histogram = control.staleness_histogram()
+            control.set_meta(LENGTH_BIAS_FIELD, json.dumps(_finite(bias)))
         if buffer is None:
             return
         try:
@@ -224,6 +233,8 @@ class RunStats:
             self._add_lengths("trained", record.get("learner/tokens"), samples)
             self._add_lengths("dropped_stale", record.get("buffer/dropped_stale_tokens"),
                               record.get("buffer/dropped_stale_samples"))  # fmt: skip
+            lengths.merge(self.length_hists["trained"], record.get("learner/tokens_hist") or {})
+            lengths.merge(self.length_hists["dropped_stale"], record.get("buffer/dropped_stale_tokens_hist") or {})
             if self.last_step_at is not None and wall + self.wall_offset < self.last_step_at[0]:
                 self.wall_offset = self.last_step_at[0]  # the learners restarted; their clock did too
             point = (wall + self.wall_offset, self.samples)
@@ -241,6 +252,7 @@ class RunStats:
             }
             self.episodes += done
             self._add_lengths("generated", record.get("episodes/model_tokens"), done)
+            lengths.merge(self.length_hists["generated"], record.get("episodes/model_tokens_hist") or {})
             self.failures.update(causes)
             self.tool_failures.update(
                 {k.removeprefix("tools/"): int(v) for k, v in record.items() if k.startswith("tools/")}
@@ -276,11 +288,20 @@ class RunStats:
     def length_bias(self) -> dict:
         """Mean model tokens per sample generated, trained and dropped as stale, and ``trained_over_generated``:
         1.0 when what the learners trained is as long as what the generators made; below, the shorter work
-        trained and the longer dropped (stale drops fall on slow episodes, most often long ones)."""
+        trained and the longer dropped (stale drops fall on slow episodes, most often long ones). With the
+        distributions' figures (:func:`asyncrl.observe.lengths.compare`: each kind's samples, median and 90th
+        percentile, and the KS statistic of trained against generated) and their histograms (``histograms``:
+        kind -> {bin's lower bound: samples})."""
         mean = {k: (t / n if n else None) for k, (t, n) in self.lengths.items()}
         generated, trained = mean["generated"], mean["trained"]
         ratio = trained / generated if generated and trained is not None else None
-        return {f"{k}_tokens_per_sample": v for k, v in mean.items()} | {"trained_over_generated": ratio}
+        hists = {kind: {str(lengths.BINS[b]): n for b, n in sorted(c.items())} for kind, c in self.length_hists.items()}
+        return (
+            {f"{k}_tokens_per_sample": v for k, v in mean.items()}
+            | {"trained_over_generated": ratio}
+            | lengths.compare(self.length_hists)
+            | {"histograms": hists}
+        )
 
     @property
     def samples_per_s(self) -> float | None:

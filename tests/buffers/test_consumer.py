@@ -92,11 +92,14 @@ def test_what_the_groups_dropped_as_stale_held_is_counted_by_size() -> None:
     push(buf, long, group(2), group(2))
     batch = c.take(1, version=2, block_ms=1, stop=never_stop)
     assert (batch.counts["stale"], batch.counts["stale_samples"], batch.counts["stale_tokens"]) == (1, 3, 30)
+    assert batch.stale_lengths == [10, 10, 10]  # each sample's, for the learner's histogram
     c.give_back(c.take(1, version=2, block_ms=1, stop=never_stop))  # held, unused: judged again at version 4
     with pytest.raises(StopRequested):
         c.take(1, version=4, block_ms=1, stop=stop_now)
     assert c.totals["stale"] == 2
     assert (c.totals["stale_samples"], c.totals["stale_tokens"]) == (5, 34)
+    push(buf, group(4))  # the group dropped while no batch was taken is in the next batch's lengths
+    assert c.take(1, version=4, block_ms=1, stop=never_stop).stale_lengths == [2, 2]
 
 
 def test_trained_groups_are_acknowledged_only_at_commit() -> None:

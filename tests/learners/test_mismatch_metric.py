@@ -14,7 +14,7 @@ import torch
 from asyncrl.config.presets import get_preset
 from asyncrl.learners.batching import make_batch
 from asyncrl.learners.objective import StepLoss
-from asyncrl.learners.records import step_record
+from asyncrl.learners.records import dense, step_record
 from asyncrl.learners.train_step import behaviour_mismatch
 from asyncrl.protocol import Sample, TrajectoryGroup
 
@@ -70,7 +70,7 @@ def test_a_batch_of_stale_tokens_has_no_mismatch_figure_but_a_sync_figure():
     total = {
         "stale_sum": 1, "groups": 1, "dropped_stale": 0, "dead": 0, "foreign": 0, "filtered": 0, "replays": 0,
         "mismatch_sum": mismatch[0], "mismatch_tokens": mismatch[1], "reward_sum": 1.0, "samples": 1, "tokens": 3,
-        "turns": 1, "stale_samples": 0, "stale_tokens": 0,
+        "turns": 1, "stale_samples": 0, "stale_tokens": 0, **dense("trained_bin", [3]), **dense("stale_bin", []),
     }  # fmt: skip
     out = StepLoss(torch.tensor(0.0), None, {"learner/loss": 0.0})
     sync = {"probe_logprob_diff_max": 2.5e-6, "versions": {"4": 2.5e-6, "5": 1e-6}}

@@ -12,11 +12,14 @@ from PIL import Image
 
 from asyncrl.cli import main
 from asyncrl.errors import UserError
+from asyncrl.observe import lengths
 from asyncrl.observe.plot import (
     dashboard,
     load_run,
     panel_buffer,
     panel_failures,
+    panel_length_bias,
+    panel_lengths,
     panel_mismatch,
     panel_staleness,
     samples_per_s,
@@ -38,10 +41,10 @@ def test_two_runs_overlay_in_one_png(tmp_path, capsys):
     plot(str(a), str(b), "-o", str(tmp_path / "both.png"))
     assert capsys.readouterr().out.strip() == str(tmp_path / "both.png")
     with Image.open(tmp_path / "both.png") as png:
-        assert png.format == "PNG" and png.size == (2000, 720)  # 25 x 9 inches at 80 dpi
+        assert png.format == "PNG" and png.size == (2400, 720)  # 30 x 9 inches at 80 dpi
     plot(str(a))
     with Image.open(a / "dashboard.png") as png:  # the default: in the first run's directory
-        assert png.size == (2000, 720)
+        assert png.size == (2400, 720)
 
 
 def panel_texts(panel, run_dir) -> list[str]:
@@ -60,6 +63,8 @@ def test_panels_with_no_data_say_so(tmp_path):
     assert panel_texts(panel_staleness, bare) == ["no staleness recorded"]
     assert panel_texts(panel_failures, bare) == ["no failed episodes"]
     assert panel_texts(panel_mismatch, bare) == ["no probe compared"]
+    assert panel_texts(panel_lengths, bare) == ["no lengths recorded"]
+    assert panel_texts(panel_length_bias, bare) == ["no length bias recorded"]
     dashboard([bare])  # every panel empty: still one PNG
     assert (bare / "dashboard.png").stat().st_size > 0
     full = write_run(tmp_path / "full", demo_records())
@@ -85,3 +90,17 @@ def test_bad_input_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     with pytest.raises(UserError, match=r"pip install 'asyncrl\[plot\]'"):
         dashboard([write_run(tmp_path / "A", demo_records())])
+
+
+def test_the_lengths_panels_draw_each_kinds_distribution_and_name_the_ks_statistic(tmp_path):
+    # generated: 10 samples of 8 tokens and 10 of 32; trained: the 8-token ones only; dropped: the 32-token ones
+    short, long = lengths.bin_of(8), lengths.bin_of(32)
+    records = [
+        {"time": 1.0, "source": "generator/0", "episodes/model_tokens_hist": {str(short): 10, str(long): 10}},
+        {"time": 2.0, "source": "learner/0", "learner/tokens_hist": {str(short): 10},
+         "buffer/dropped_stale_tokens_hist": {str(long): 10}},
+        {"time": 2.5, "length/trained_over_generated": 0.4, "length/ks_trained_vs_generated": 0.5},
+    ]  # fmt: skip
+    run = write_run(tmp_path / "biased", records)
+    assert panel_texts(panel_lengths, run) == ["biased: KS 0.500"]
+    assert panel_texts(panel_length_bias, run) == []

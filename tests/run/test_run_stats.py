@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from asyncrl.config import RunConfig
+from asyncrl.observe import lengths
 from asyncrl.run.stats import Progress, RunStats, eta_seconds, format_eta
 
 
@@ -53,9 +54,39 @@ def test_the_summary_compares_the_lengths_trained_with_those_generated_and_dropp
         stats._fold({**step, "learner/version": version}, None)
     stats._fold({**step, "learner/version": 3, "buffer/dropped_stale_tokens": None}, None)  # an older learner's
     bias = json.loads((stats.write_summary(tmp_path, "completed"), tmp_path / "summary.json")[1].read_text())
-    assert bias["length_bias"] == {
+    means = ("generated_tokens_per_sample", "trained_tokens_per_sample", "dropped_stale_tokens_per_sample")
+    assert {k: bias["length_bias"][k] for k in (*means, "trained_over_generated")} == {
         "generated_tokens_per_sample": 10.0,
         "trained_tokens_per_sample": 8.0,
         "dropped_stale_tokens_per_sample": 16.0,
         "trained_over_generated": 0.8,
     }
+    # records without histograms (an older tree's): no distribution figures
+    assert bias["length_bias"]["ks_trained_vs_generated"] is None and bias["length_bias"]["trained_samples"] == 0
+
+
+def test_the_summary_and_status_hold_the_length_distributions_and_their_ks_statistic(tmp_path):
+    """Generated: 10 samples of 8 tokens, 10 of 32; trained: the short ones; dropped as stale: the long ones.
+    Every short sample trained and no long one: KS 0.5 (half the generated mass lies past every trained one)."""
+    short, long = lengths.bin_of(8), lengths.bin_of(32)
+    stats = RunStats(RunConfig(), tmp_path)
+    stats._fold({"episodes/done": 20, "episodes/model_tokens": 400,
+                 "episodes/model_tokens_hist": {str(short): 10, str(long): 10}}, None)  # fmt: skip
+    stats._fold({"buffer/staleness_max": 1, "buffer/staleness_mean": 0.5, "buffer/dropped_stale": 1,
+                 "learner/samples": 10, "learner/wall_seconds": 1.0, "learner/tokens": 80, "learner/version": 1,
+                 "buffer/dropped_stale_samples": 10, "buffer/dropped_stale_tokens": 320,
+                 "learner/tokens_hist": {str(short): 10}, "buffer/dropped_stale_tokens_hist": {str(long): 10}},
+                None)  # fmt: skip
+    bias = stats.summary("completed")["length_bias"]
+    assert bias["ks_trained_vs_generated"] == 0.5 and bias["trained_over_generated"] == 0.4
+    assert (bias["generated_p50"], bias["generated_p90"], bias["trained_p90"], bias["dropped_stale_p50"]) == (
+        8, 32, 8, 32)  # fmt: skip
+    assert bias["histograms"] == {"generated": {"8": 10, "32": 10}, "trained": {"8": 10}, "dropped_stale": {"32": 10}}
+    from rich.console import Console
+
+    from asyncrl.observe.status import _render_lengths
+
+    console = Console(record=True, width=400)
+    _render_lengths(json.loads(json.dumps(bias)), console)
+    line = console.export_text()
+    assert "trained/generated 0.4, KS 0.5" in line and "dropped stale 32.0 (median 32, p90 32; 10 samples)" in line
