@@ -21,6 +21,15 @@ from collections.abc import Iterable, Mapping
 # lower bounds of the bins, in model tokens a sample: 0, then 2 ** (i / 4) rounded, deduplicated, up to 2 ** 20
 BINS: tuple[int, ...] = (0, *sorted({round(2 ** (i / 4)) for i in range(81)}))
 KINDS = ("generated", "trained", "dropped_stale")
+FIELDS = {  # kind -> its records' model tokens, samples and histogram
+    "generated": ("episodes/model_tokens", "episodes/done", "episodes/model_tokens_hist"),
+    "trained": ("learner/tokens", "learner/samples", "learner/tokens_hist"),
+    "dropped_stale": (
+        "buffer/dropped_stale_tokens",
+        "buffer/dropped_stale_samples",
+        "buffer/dropped_stale_tokens_hist",
+    ),
+}
 
 
 def bin_of(tokens: int) -> int:
@@ -80,3 +89,40 @@ def compare(hists: Mapping[str, Mapping[int, int]]) -> dict:
                 f"{kind}_p90": quantile(counts, 0.9)}  # fmt: skip
     out["ks_trained_vs_generated"] = ks(hists.get("trained", {}), hists.get("generated", {}))
     return out
+
+
+class LengthBias:
+    """A run's lengths by kind: model tokens and samples (exact means), and the histograms (:data:`BINS`)."""
+
+    def __init__(self):
+        self.sums = {kind: [0, 0] for kind in KINDS}  # kind -> [model tokens, samples]
+        self.hists = {kind: collections.Counter() for kind in KINDS}
+
+    def fold(self, record: dict) -> None:
+        """A metrics record's figures of each kind it holds (:data:`FIELDS`; an older tree's may lack some). A
+        figure of the wrong shape raises before anything changed."""
+        sums, hists = {}, {}
+        for kind, (tokens, samples, hist) in FIELDS.items():
+            if record.get(tokens) is not None and record.get(samples) is not None:
+                sums[kind] = (int(record[tokens]), int(record[samples]))
+            hists[kind] = {int(b): int(n) for b, n in (record.get(hist) or {}).items()}
+        for kind, (tokens, samples) in sums.items():
+            self.sums[kind][0] += tokens
+            self.sums[kind][1] += samples
+        for kind, counts in hists.items():
+            merge(self.hists[kind], counts)
+
+    def summary(self) -> dict:
+        """Mean model tokens per sample of each kind and ``trained_over_generated``: 1.0 when what the learners
+        trained is as long as what the generators made; below, the shorter work trained and the longer dropped.
+        With :func:`compare`'s figures and the histograms (``histograms``: kind -> {bin's lower bound: samples})."""
+        mean = {k: (t / n if n else None) for k, (t, n) in self.sums.items()}
+        generated, trained = mean["generated"], mean["trained"]
+        ratio = trained / generated if generated and trained is not None else None
+        hists = {kind: {str(BINS[b]): n for b, n in sorted(c.items())} for kind, c in self.hists.items()}
+        return (
+            {f"{k}_tokens_per_sample": v for k, v in mean.items()}
+            | {"trained_over_generated": ratio}
+            | compare(self.hists)
+            | {"histograms": hists}
+        )

@@ -172,11 +172,9 @@ def panel_staleness(ax, runs, colors) -> None:
 def length_hists(run: Run) -> dict[str, dict[int, int]]:
     """Samples by bin of model tokens, by kind (generated, trained, dropped_stale): the records' histograms
     (a live run's too), by :data:`asyncrl.observe.lengths.BINS` index."""
-    fields = {"generated": "episodes/model_tokens_hist", "trained": "learner/tokens_hist",
-              "dropped_stale": "buffer/dropped_stale_tokens_hist"}  # fmt: skip
-    hists = {kind: collections.Counter() for kind in fields}
+    hists = {kind: collections.Counter() for kind in lengths.KINDS}
     for record in run.records:
-        for kind, name in fields.items():
+        for kind, (_, _, name) in lengths.FIELDS.items():
             if isinstance(record.get(name), dict):
                 lengths.merge(hists[kind], record[name])
     return hists

@@ -99,9 +99,7 @@ class RunStats:
         self.eval_sets: dict[str, dict[int, dict]] = {}  # named eval sets: their figures by the version evaluated
         self.eval_bar: str | None = None  # the named set that is the run's bar
         self.episodes = 0  # episodes generators finished (each report counts its own)
-        # model tokens and samples: generated (every training episode), trained, dropped as stale (length_bias)
-        self.lengths = {"generated": [0, 0], "trained": [0, 0], "dropped_stale": [0, 0]}
-        self.length_hists = {kind: collections.Counter() for kind in lengths.KINDS}  # samples by bin
+        self.lengths = lengths.LengthBias()  # generated (every training episode), trained, dropped as stale
         self.failures: collections.Counter[str] = collections.Counter()  # failed episodes by cause
         self.tool_failures: collections.Counter[str] = collections.Counter()  # failed tool calls by cause
         self.taken_over = {"groups": 0, "turns": 0}  # resumed from generators that died (generators.journal)
@@ -218,6 +216,7 @@ class RunStats:
 
     def _fold(self, record: dict, say) -> None:
         """Take one record; a field of the wrong shape raises before anything changed."""
+        self.lengths.fold(record)  # first: it raises before it changes anything, as the rest does
         if "learner/version" in record:
             version, staleness_max = int(record["learner/version"]), int(record["buffer/staleness_max"])
             staleness_mean = float(record["buffer/staleness_mean"])
@@ -230,11 +229,6 @@ class RunStats:
             self.max_staleness_seen = max(self.max_staleness_seen, staleness_max)
             self.dropped_stale += dropped
             self.samples += samples
-            self._add_lengths("trained", record.get("learner/tokens"), samples)
-            self._add_lengths("dropped_stale", record.get("buffer/dropped_stale_tokens"),
-                              record.get("buffer/dropped_stale_samples"))  # fmt: skip
-            lengths.merge(self.length_hists["trained"], record.get("learner/tokens_hist") or {})
-            lengths.merge(self.length_hists["dropped_stale"], record.get("buffer/dropped_stale_tokens_hist") or {})
             if self.last_step_at is not None and wall + self.wall_offset < self.last_step_at[0]:
                 self.wall_offset = self.last_step_at[0]  # the learners restarted; their clock did too
             point = (wall + self.wall_offset, self.samples)
@@ -251,8 +245,6 @@ class RunStats:
                 if k.startswith("episodes/failed_")
             }
             self.episodes += done
-            self._add_lengths("generated", record.get("episodes/model_tokens"), done)
-            lengths.merge(self.length_hists["generated"], record.get("episodes/model_tokens_hist") or {})
             self.failures.update(causes)
             self.tool_failures.update(
                 {k.removeprefix("tools/"): int(v) for k, v in record.items() if k.startswith("tools/")}
@@ -279,29 +271,10 @@ class RunStats:
                 sets = "".join(f"; {n}: " + ", ".join(f"{m} {v:.3f}" for m, v in f.items()) for n, f in named.items())
                 say(f"eval at version {version}{late}: reward {reward:.3f} ({exact}){sets}")
 
-    def _add_lengths(self, kind: str, tokens, samples) -> None:
-        if tokens is not None and samples is not None:  # records of an older tree have none
-            self.lengths[kind][0] += int(tokens)
-            self.lengths[kind][1] += int(samples)
-
     @property
     def length_bias(self) -> dict:
-        """Mean model tokens per sample generated, trained and dropped as stale, and ``trained_over_generated``:
-        1.0 when what the learners trained is as long as what the generators made; below, the shorter work
-        trained and the longer dropped (stale drops fall on slow episodes, most often long ones). With the
-        distributions' figures (:func:`asyncrl.observe.lengths.compare`: each kind's samples, median and 90th
-        percentile, and the KS statistic of trained against generated) and their histograms (``histograms``:
-        kind -> {bin's lower bound: samples})."""
-        mean = {k: (t / n if n else None) for k, (t, n) in self.lengths.items()}
-        generated, trained = mean["generated"], mean["trained"]
-        ratio = trained / generated if generated and trained is not None else None
-        hists = {kind: {str(lengths.BINS[b]): n for b, n in sorted(c.items())} for kind, c in self.length_hists.items()}
-        return (
-            {f"{k}_tokens_per_sample": v for k, v in mean.items()}
-            | {"trained_over_generated": ratio}
-            | lengths.compare(self.length_hists)
-            | {"histograms": hists}
-        )
+        """summary.json's ``length_bias`` (:meth:`asyncrl.observe.lengths.LengthBias.summary`)."""
+        return self.lengths.summary()
 
     @property
     def samples_per_s(self) -> float | None:
