@@ -216,7 +216,6 @@ class RunStats:
 
     def _fold(self, record: dict, say) -> None:
         """Take one record; a field of the wrong shape raises before anything changed."""
-        self.lengths.fold(record)  # first: it raises before it changes anything, as the rest does
         if "learner/version" in record:
             version, staleness_max = int(record["learner/version"]), int(record["buffer/staleness_max"])
             staleness_mean = float(record["buffer/staleness_mean"])
@@ -270,6 +269,7 @@ class RunStats:
                 exact = f"exact {record['eval/exact_rate']:.2f}{failed}"
                 sets = "".join(f"; {n}: " + ", ".join(f"{m} {v:.3f}" for m, v in f.items()) for n, f in named.items())
                 say(f"eval at version {version}{late}: reward {reward:.3f} ({exact}){sets}")
+        self.lengths.fold(record)  # last: the branches above raise before they change anything, and it too
 
     @property
     def length_bias(self) -> dict:
