@@ -82,7 +82,7 @@ class AgentService:
         self.door = http.Door(token)
         self.answers = http.Answers(SCHEMA, VERSION, waiting="playing")
         self.counts: collections.Counter[str] = collections.Counter()
-        self._http = None  # the httpx client every agent's OpenAI client shares (one connection pool)
+        self._http = None  # the HTTP client every agent's OpenAI client shares (one connection pool): client()
 
     def app(self):
         app = http.new_app()
@@ -125,6 +125,7 @@ class AgentService:
         return answer
 
     def client(self):
+        """The HTTP client under every agent's ``openai.AsyncOpenAI``, made at the first episode (on the loop)."""
         if self._http is None:
             import openai
 
