@@ -109,7 +109,7 @@ def test_the_run_is_watchable_in_tensorboard_and_plots(demo_run):
     from PIL import Image
 
     with Image.open(run_dir / "dashboard.png") as png:
-        assert png.format == "PNG" and png.size == (2000, 720)
+        assert png.format == "PNG" and png.size == (2400, 720)
 
 
 def test_status_of_the_demo_while_it_runs(demo_run):
