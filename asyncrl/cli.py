@@ -173,11 +173,25 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _address_args(p) -> None:
+    """``--host`` and ``--port`` of a server (reward-serve, env-serve, agent-serve)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one; the URL is printed)")
+
+
+def _token_file_arg(p, token_env: str) -> None:
+    """A server's ``--token-file`` (asyncrl.service.http.load_token), ``token_env`` its fallback."""
+    p.add_argument(
+        "--token-file",
+        help=f"file holding the bearer token (made, mode 600, if missing); default: ${token_env}, "
+        "else a new temporary file",
+    )
+
+
 def _reward_serve_parser(sub) -> None:
     p = sub.add_parser("reward-serve", help="serve a reward function over HTTP from worker processes")
     p.add_argument("--reward", required=True, metavar="MODULE:FUNCTION", help="the reward function to serve")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one; the URL is printed)")
+    _address_args(p)
     p.add_argument("--workers", type=int, help="worker processes (default: one per CPU)")
     p.add_argument(
         "--deadline-s",
@@ -186,11 +200,7 @@ def _reward_serve_parser(sub) -> None:
         help="hard limit of one item; a worker past it is killed and replaced (keep it under the clients' "
         "episode.reward_timeout_s)",
     )
-    p.add_argument(
-        "--token-file",
-        help="file holding the bearer token (made, mode 600, if missing); default: $ASYNCRL_REWARD_TOKEN, "
-        "else a new temporary file",
-    )
+    _token_file_arg(p, "ASYNCRL_REWARD_TOKEN")
     p.set_defaults(func=cmd_reward_serve)
 
 
@@ -210,8 +220,7 @@ def cmd_reward_serve(args) -> int:
 def _env_serve_parser(sub) -> None:
     p = sub.add_parser("env-serve", help="serve an environment class's sessions over HTTP from worker processes")
     p.add_argument("--env", required=True, metavar="MODULE:CLASS", help="the environment class (plain or async)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one; the URL is printed)")
+    _address_args(p)
     p.add_argument("--workers", type=int, help="worker processes hosting the sessions (default: one per CPU)")
     p.add_argument("--threads", type=int, default=32, help="calls one worker runs at once (default 32)")
     p.add_argument(
@@ -228,11 +237,7 @@ def _env_serve_parser(sub) -> None:
         help="a session with no request for this long is closed (its episode's generator is gone)",
     )
     p.add_argument("--memory-mb", type=int, help="a worker whose resident memory passes this is killed")
-    p.add_argument(
-        "--token-file",
-        help="file holding the bearer token (made, mode 600, if missing); default: $ASYNCRL_ENV_TOKEN, "
-        "else a new temporary file",
-    )
+    _token_file_arg(p, "ASYNCRL_ENV_TOKEN")
     p.set_defaults(func=cmd_env_serve)
 
 
@@ -259,8 +264,7 @@ def cmd_env_serve(args) -> int:
 def _agent_serve_parser(sub) -> None:
     p = sub.add_parser("agent-serve", help="serve an OpenAI-API agent that plays a run's episodes (episode.agent_url)")
     p.add_argument("--agent", required=True, metavar="MODULE:FUNCTION", help="an `async def agent(client, task)`")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one; the URL is printed)")
+    _address_args(p)
     p.add_argument(
         "--deadline-s",
         type=float,
@@ -268,11 +272,7 @@ def _agent_serve_parser(sub) -> None:
         help="an episode still playing after this long is cancelled (keep it above the clients' "
         "episode.episode_timeout_s)",
     )
-    p.add_argument(
-        "--token-file",
-        help="file holding the bearer token (made, mode 600, if missing); default: $ASYNCRL_AGENT_TOKEN, "
-        "else a new temporary file",
-    )
+    _token_file_arg(p, "ASYNCRL_AGENT_TOKEN")
     p.set_defaults(func=cmd_agent_serve)
 
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from asyncrl.errors import EpisodeFailure, UserError
+from asyncrl.gateway.server import CLIENT_TIMEOUT_S
 from asyncrl.net import backoff_s, local_address_to, redact_url
 from asyncrl.service.client import CallFailed, JsonClient, LoopSessions, Unanswered, bearer_token, without_credentials
 
@@ -49,8 +50,6 @@ log = logging.getLogger("asyncrl.agent")
 SCHEMA = "asyncrl.agent"
 VERSION = 1
 TOKEN_ENV = "ASYNCRL_AGENT_TOKEN"
-# An agent plays for minutes; its episode's own timeout (the generator's) ends a request held that long.
-EPISODE_DEADLINE_S = 24 * 3600.0
 BACKOFF_BASE_S, BACKOFF_CAP_S = 0.1, 5.0  # a service restarting takes seconds: waiting episodes retry every few
 CONNECTIONS = 1024  # per event loop: one held request per episode in flight, far above a generator's
 _SHARED = LoopSessions(CONNECTIONS)
@@ -93,7 +92,7 @@ class AgentService:
         """The episode played by the service against ``session``: what :func:`outcome` makes of its answer."""
         fields = {"task": ctx.task, "base_url": session.url, "api_key": session.key}
         rid, attempt = uuid.uuid4().hex, 0
-        deadline = asyncio.get_running_loop().time() + EPISODE_DEADLINE_S
+        deadline = asyncio.get_running_loop().time() + CLIENT_TIMEOUT_S  # the episode's own timeout governs
         while True:
             try:
                 answer = await self.client.request("/episodes", rid, fields, deadline)

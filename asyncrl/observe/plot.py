@@ -172,12 +172,10 @@ def panel_staleness(ax, runs, colors) -> None:
 def length_hists(run: Run) -> dict[str, dict[int, int]]:
     """Samples by bin of model tokens, by kind (generated, trained, dropped_stale): the records' histograms
     (a live run's too), by :data:`asyncrl.observe.lengths.BINS` index."""
-    hists = {kind: collections.Counter() for kind in lengths.KINDS}
+    bias = lengths.LengthBias()
     for record in run.records:
-        for kind, (_, _, name) in lengths.FIELDS.items():
-            if isinstance(record.get(name), dict):
-                lengths.merge(hists[kind], record[name])
-    return hists
+        bias.fold(record)
+    return bias.hists
 
 
 def panel_lengths(ax, runs, colors) -> None:
